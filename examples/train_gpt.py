@@ -1,0 +1,384 @@
+"""Train a small character-level GPT with the apex packages that are installed.
+
+The model is a few pre-norm transformer blocks (causal self-attention through
+``torch.nn.functional.scaled_dot_product_attention``, a norm layer, an MLP) trained on
+``examples/data/tiny_corpus.txt``. Apex pieces are used where they exist and plain PyTorch
+stands in where they do not, so the script runs with apex-core alone and picks up more
+fused kernels as packages are installed:
+
+- gradient-norm clipping: apex-core's multi-tensor ops, without a host sync;
+- optimizer: ``apex.optimizers.FusedAdam`` if installed, else ``torch.optim.AdamW``;
+- norm layer: ``apex.normalization.FusedLayerNorm`` if installed, else ``torch.nn.LayerNorm``.
+
+It prints, per apex op family, the kernel tier that ran (aot, jit or reference and why), then
+the train and validation loss and throughput every ``--eval-interval`` steps, and finally a
+text sample. The exit status is 0 only if the validation loss went down.
+
+    python examples/train_gpt.py                  # CPU, or the GPU when there is one
+    python examples/train_gpt.py --device cuda --steps 2000 --batch-size 64 --block-size 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from apex.core import amp_C, loader
+from apex.core._plugin import KERNELS as CORE_KERNELS
+from apex.core.descriptors import KernelLibrary
+from apex.multi_tensor_apply import multi_tensor_applier
+
+DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+# Elements per block for the multi-tensor kernels (Apex's customary 2048 * 32).
+CHUNK_SIZE = 65536
+
+
+# Pluggable pieces --------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One pluggable piece of the training loop: what was picked and, if apex, its kernels."""
+
+    role: str
+    name: str
+    kernels: KernelLibrary | None = None
+    note: str = ""
+
+
+def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, Choice]:
+    """FusedAdam (decoupled weight decay) when apex-optimizers is installed, else AdamW."""
+    betas = (0.9, 0.95)
+    try:
+        from apex.optimizers import FusedAdam
+        from apex.optimizers._plugin import PLUGIN
+    except ImportError as exc:
+        optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas)
+        return optimizer, Choice("optimizer", "torch.optim.AdamW", note=f"apex.optimizers unavailable: {exc}")
+    optimizer = FusedAdam(param_groups, lr=lr, betas=betas, adam_w_mode=True)
+    return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", PLUGIN.kernel_library)
+
+
+def pick_norm() -> tuple[type[nn.Module], Choice]:
+    """FusedLayerNorm when apex-normalization is installed, else torch.nn.LayerNorm."""
+    try:
+        from apex.normalization import FusedLayerNorm
+        from apex.normalization._plugin import PLUGIN
+    except ImportError as exc:
+        return nn.LayerNorm, Choice("norm", "torch.nn.LayerNorm", note=f"apex.normalization unavailable: {exc}")
+    return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", PLUGIN.kernel_library)
+
+
+def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch.Tensor) -> torch.Tensor:
+    """Scale ``grads`` in place so that their global L2 norm is at most ``max_norm``.
+
+    The norm and the clip coefficient stay on the device: no ``.item()``, so the host keeps
+    queueing work. Returns the norm before clipping (a one-element device tensor).
+    """
+    noop_flag.zero_()
+    total_norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, noop_flag, [grads], False)
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    # The dispatcher op (rather than amp_C's float-scale form) takes the factor as a tensor.
+    torch.ops.apex_core.multi_tensor_scale(CHUNK_SIZE, noop_flag, grads, grads, 1.0, clip_coef)
+    return total_norm
+
+
+def describe_kernels(choice: Choice, device: torch.device) -> str:
+    status = loader.status(choice.kernels)
+    tier, reason = status.tier, status.reason
+    if device.type == "cpu" and tier == "not loaded":
+        # CPU tensors always take the PyTorch reference; the loader is only asked for CUDA.
+        tier, reason = "reference", "CPU tensors use the PyTorch reference"
+    return f"  {choice.role:<10} {choice.name:<34} tier={tier} ({reason})"
+
+
+# Model -------------------------------------------------------------------------------------
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 64
+    n_layer: int = 3
+    n_head: int = 4
+    n_embd: int = 128
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        heads = [t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+                 for t in self.qkv(x).split(width, dim=2)]
+        y = F.scaled_dot_product_attention(*heads, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, norm: type[nn.Module]):
+        super().__init__()
+        self.norm1 = norm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.norm2 = norm(cfg.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, norm: type[nn.Module]):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg, norm) for _ in range(cfg.n_layer))
+        self.norm_f = norm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied input/output embeddings
+        self.apply(self._init_weights)
+        # Residual projections start small so the residual stream grows evenly with depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm_f(x))
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Decay matrices only; biases, norm weights and position embeddings are left alone."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            (decay if p.dim() >= 2 and "pos_emb" not in name else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# Data --------------------------------------------------------------------------------------
+
+class CharData:
+    """The corpus as character ids, split 90/10 into train and validation."""
+
+    def __init__(self, text: str, device: torch.device):
+        self.chars = sorted(set(text))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        ids = torch.tensor([self.index[c] for c in text], dtype=torch.long)
+        split = int(0.9 * len(ids))
+        self.splits = {"train": ids[:split].to(device), "val": ids[split:].to(device)}
+
+    def encode(self, text: str) -> list[int]:
+        return [self.index[c] for c in text if c in self.index]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def batch(self, split: str, starts: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.splits[split]
+        offsets = starts.to(data.device)[:, None] + torch.arange(block_size + 1, device=data.device)
+        window = data[offsets]
+        return window[:, :-1], window[:, 1:]
+
+    def random_starts(self, split: str, batch_size: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randint(len(self.splits[split]) - block_size - 1, (batch_size,), generator=gen)
+
+    def eval_starts(self, split: str, block_size: int, max_windows: int) -> torch.Tensor:
+        """Fixed, evenly spaced windows, so evaluations at different steps are comparable."""
+        last = len(self.splits[split]) - block_size - 1
+        count = min(max_windows, last // block_size + 1)
+        return torch.linspace(0, last, count).long()
+
+
+@torch.no_grad()
+def evaluate(model, data: CharData, eval_windows: dict, block_size: int, batch_size: int, autocast) -> dict:
+    model.eval()
+    losses = {}
+    for split, starts in eval_windows.items():
+        total, count = 0.0, 0
+        for chunk in starts.split(batch_size):
+            x, y = data.batch(split, chunk, block_size)
+            with autocast():
+                logits = model(x)
+            total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+            count += y.numel()
+        losses[split] = total / count
+    model.train()
+    return losses
+
+
+@torch.no_grad()
+def sample(model, data: CharData, prompt: str, length: int, temperature: float, gen: torch.Generator, autocast):
+    model.eval()
+    device = next(model.parameters()).device
+    ids = data.encode(prompt) or [0]
+    for _ in range(length):
+        context = torch.tensor([ids[-model.cfg.block_size:]], device=device)
+        with autocast():
+            logits = model(context)[0, -1].float().cpu()
+        if temperature <= 0:
+            ids.append(int(logits.argmax()))
+        else:
+            ids.append(int(torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)))
+    model.train()
+    return data.decode(ids)
+
+
+# Training ----------------------------------------------------------------------------------
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="autocast dtype for the forward pass; auto = bf16 on a GPU that supports it, else fp32")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=3)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-windows", type=int, default=64, help="validation/train windows per evaluation")
+    p.add_argument("--sample-chars", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda, but torch.cuda.is_available() is False")
+    if args.steps < 1 or args.eval_interval < 1:
+        p.error("--steps and --eval-interval must be positive")
+    return args
+
+
+def lr_lambda(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    wall_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported())
+    if bf16:
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+    else:
+        autocast = contextlib.nullcontext
+
+    data = CharData(args.corpus.read_text(encoding="utf-8"), device)
+    cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
+    norm, norm_choice = pick_norm()
+    model = GPT(cfg, norm).to(device)
+    optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
+    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", CORE_KERNELS)
+    params = [p for p in model.parameters() if p.requires_grad]
+    noop_flag = torch.zeros(1, dtype=torch.int32, device=device)
+
+    n_params = sum(p.numel() for p in params)
+    device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
+    print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {'bf16' if bf16 else 'fp32'}")
+    print(f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
+          f"train {len(data.splits['train'])} / val {len(data.splits['val'])}")
+    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
+          f"{n_params / 1e6:.2f}M parameters; batch {args.batch_size}, {args.steps} steps, peak lr {args.lr:g}")
+
+    gen = torch.Generator().manual_seed(args.seed)
+    eval_windows = {split: data.eval_starts(split, cfg.block_size, args.eval_windows) for split in ("train", "val")}
+
+    def run_eval() -> dict:
+        return evaluate(model, data, eval_windows, cfg.block_size, args.batch_size, autocast)
+
+    def train_step() -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = data.batch("train", data.random_starts("train", args.batch_size, cfg.block_size, gen), cfg.block_size)
+        with autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = clip_grad_norm_([p.grad for p in params], args.max_grad_norm, noop_flag)
+        optimizer.step()
+        scheduler.step()
+        return loss.detach(), grad_norm
+
+    def sync() -> None:
+        if use_cuda:
+            torch.cuda.synchronize(device)
+
+    initial = run_eval()
+    # The first step may load or JIT-compile kernels; it is left out of the throughput.
+    loss, grad_norm = train_step()
+    sync()
+    print("apex pieces (kernel tier after the first step):")
+    for choice in (clip_choice, opt_choice, norm_choice):
+        if choice.kernels is not None:
+            print(describe_kernels(choice, device))
+        else:
+            print(f"  {choice.role:<10} {choice.name:<34} ({choice.note})")
+
+    header = f"{'step':>6} {'train loss':>11} {'val loss':>9} {'grad norm':>10} {'lr':>9} {'tokens/s':>10}"
+    print(header)
+    print(f"{0:>6} {initial['train']:>11.4f} {initial['val']:>9.4f} {'-':>10} {'-':>9} {'-':>10}")
+    latest = initial
+    tokens_per_step = args.batch_size * cfg.block_size
+    interval_start, interval_steps = time.perf_counter(), 0
+    for step in range(2, args.steps + 1):
+        loss, grad_norm = train_step()
+        interval_steps += 1
+        if step % args.eval_interval == 0 or step == args.steps:
+            sync()
+            elapsed = time.perf_counter() - interval_start
+            latest = run_eval()
+            lr = scheduler.get_last_lr()[0]
+            print(f"{step:>6} {latest['train']:>11.4f} {latest['val']:>9.4f} {grad_norm.item():>10.3f} {lr:>9.2e} "
+                  f"{interval_steps * tokens_per_step / elapsed:>10.0f}")
+            interval_start, interval_steps = time.perf_counter(), 0
+    if args.steps == 1:
+        latest = run_eval()
+
+    text = sample(model, data, "The ", args.sample_chars, args.temperature, gen, autocast)
+    print(f"\nsample ({args.sample_chars} chars, temperature {args.temperature:g}):\n{text}\n")
+    improved = latest["val"] < initial["val"]
+    print(f"final loss: train {latest['train']:.4f}, val {latest['val']:.4f} "
+          f"(initial val {initial['val']:.4f}, {'improved' if improved else 'NOT improved'}); "
+          f"{time.perf_counter() - wall_start:.1f} s")
+    return 0 if improved else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Every development task. Run ``nox -l`` for the list; ``nox`` runs the default (CI) set.
+
+Our distribution names (``apex``, ``apex-core``, ...) belong to other projects on PyPI, so they
+are never resolved against an index: packages install from this tree in dependency order with
+``--no-deps --no-build-isolation``, or from our own wheelhouse with ``--no-index``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tomllib
+import zipfile
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ROOT / "packages"
+WHEELHOUSE = ROOT / "wheelhouse"
+CPU_TORCH = "torch==2.13.0"  # a CPU build, on local disk on the dev/CI machines
+CUDA_TORCH = "torch==2.14.1"  # a CUDA 13 build that can compile extensions without a GPU
+BUILD_ARCH = "9.0"  # the H200 we prove kernels on
+TEST_TOOLS = ("pytest", "numpy")
+BUILD_TOOLS = ("setuptools>=69", "wheel", "ninja", "hatchling")
+
+nox.options.sessions = ["lint", "tests", "isolated", "wheels"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+
+def _project(path: Path) -> dict:
+    return tomllib.loads((path / "pyproject.toml").read_text())["project"]
+
+
+def _apex_requirements(path: Path) -> list[str]:
+    """Names of the apex distributions a package depends on."""
+    names = []
+    for requirement in _project(path).get("dependencies", []):
+        name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]
+        if name == "apex" or name.startswith("apex-"):
+            names.append(name)
+    return names
+
+
+def package_dirs() -> dict[str, Path]:
+    """Distribution name -> folder, for every package except the meta-package."""
+    found = {}
+    for path in sorted(PACKAGES.iterdir()):
+        if (path / "pyproject.toml").exists() and path.name != "apex":
+            found[_project(path)["name"]] = path
+    return found
+
+
+def install_order(names: list[str]) -> list[Path]:
+    """Folders of ``names`` and everything they need, dependencies first."""
+    dirs, ordered, seen = package_dirs(), [], set()
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        seen.add(name)
+        for dependency in _apex_requirements(dirs[name]):
+            visit(dependency)
+        ordered.append(dirs[name])
+
+    for name in names:
+        visit(name)
+    return ordered
+
+
+def is_kernel_package(path: Path) -> bool:
+    return (path / "setup.py").exists()
+
+
+def install_packages(session: nox.Session, folders: list[Path], editable: bool = True) -> None:
+    for folder in folders:
+        args = ["-e", str(folder)] if editable else [str(folder)]
+        session.install("--no-deps", "--no-build-isolation", *args, env={"APEX_BUILD_OPS": "0"})
+
+
+def base_venv(session: nox.Session, torch: str = CPU_TORCH) -> None:
+    session.install(torch, *TEST_TOOLS, *BUILD_TOOLS)
+
+
+def pytest_args(session: nox.Session, paths: list[str]) -> list[str]:
+    return ["pytest", *paths, "-p", "no:cacheprovider", *session.posargs]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package in one venv, CPU: the README's test command runs this among the defaults."""
+    base_venv(session)
+    install_packages(session, install_order(list(package_dirs())))
+    session.install("--no-deps", "--no-build-isolation", "-e", str(PACKAGES / "apex"))
+    session.run(*pytest_args(session, [str(PACKAGES)]))
+
+
+@nox.session
+@nox.parametrize("package", list(package_dirs()))
+def isolated(session: nox.Session, package: str) -> None:
+    """A fresh venv with only ``package`` and what it depends on, then its tests."""
+    base_venv(session)
+    folders = install_order([package])
+    install_packages(session, folders, editable=False)
+    installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
+    apex_installed = sorted(line.split("==")[0] for line in installed.splitlines() if line.startswith("apex"))
+    expected = sorted(_project(f)["name"] for f in folders)
+    if apex_installed != expected:
+        session.error(f"isolated {package}: installed {apex_installed}, expected exactly {expected}")
+    session.chdir(ROOT)
+    session.run(*pytest_args(session, [str(package_dirs()[package] / "tests")]))
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Compile every kernel package's CUDA sources for sm_90 without a GPU (catches compile errors)."""
+    base_venv(session, torch=CUDA_TORCH)
+    out = ROOT / "build" / "nox-build"
+    shutil.rmtree(out, ignore_errors=True)
+    env = {"APEX_BUILD_OPS": "1", "TORCH_CUDA_ARCH_LIST": BUILD_ARCH, "MAX_JOBS": session.env.get("MAX_JOBS", "2")}
+    for folder in install_order(list(package_dirs())):
+        if is_kernel_package(folder):
+            session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
+                        str(folder), env=env)
+            session.install("--no-deps", "--no-index", "--force-reinstall", *map(str, out.glob(
+                f"{_project(folder)['name'].replace('-', '_')}-*.whl")))
+        else:
+            install_packages(session, [folder], editable=False)
+    for wheel in out.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as archive:
+            names = archive.namelist()
+        if not any(re.search(r"/_C[^/]*\.so$", n) for n in names):
+            session.error(f"{wheel.name} carries no compiled _C library")
+        if not any(n.endswith("_C.build.json") for n in names):
+            session.error(f"{wheel.name} carries no build-info file")
+        session.log(f"{wheel.name}: compiled library and build info present")
+
+
+def _check_wheel(session: nox.Session, wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+    for forbidden in ("apex/__init__.py", "apex/contrib/__init__.py"):
+        if forbidden in names:
+            session.error(f"{wheel.name} carries {forbidden}: apex must stay a namespace package")
+    return wheel.name.split("-")[1]
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every wheel into ./wheelhouse, check them, install apex[all] from it with --no-index, import all."""
+    base_venv(session)
+    shutil.rmtree(WHEELHOUSE, ignore_errors=True)
+    folders = [*install_order(list(package_dirs())), PACKAGES / "apex"]
+    for folder in folders:
+        session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEELHOUSE),
+                    str(folder), env={"APEX_BUILD_OPS": "0"})
+    versions = {wheel.name: _check_wheel(session, wheel) for wheel in sorted(WHEELHOUSE.glob("*.whl"))}
+    if len(set(versions.values())) != 1:
+        session.error(f"wheel versions are not in lockstep: {versions}")
+    session.log(f"{len(versions)} wheels, version {next(iter(versions.values()))}: {', '.join(versions)}")
+    fresh = Path(session.create_tmp()) / "fresh"
+    shutil.rmtree(fresh, ignore_errors=True)
+    session.run("python", "-m", "venv", str(fresh))
+    python = str(fresh / "bin" / "python")
+    session.run(python, "-m", "pip", "install", "-q", CPU_TORCH, external=True)
+    session.run(python, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE), "apex[all]",
+                external=True)
+    modules = sorted({m for folder in folders[:-1] for m in _provides(folder)})
+    session.run(python, "-c", _IMPORT_CHECK.format(modules=modules), external=True)
+    session.run(str(fresh / "bin" / "apex"), "report", external=True)
+
+
+def _provides(folder: Path) -> list[str]:
+    text = next((folder / "src").rglob("_plugin.py")).read_text()
+    match = re.search(r"provides=\(([^)]*)\)", text)
+    return re.findall(r'"([\w.]+)"', match.group(1)) if match else []
+
+
+_IMPORT_CHECK = """
+import importlib, apex
+assert apex.__file__ is None, apex.__file__
+for name in {modules}:
+    importlib.import_module(name)
+print("imported", {modules})
+"""
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", "--diff", ".", success_codes=[0, 1])
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """Train the tiny GPT of examples/ with every apex package installed."""
+    base_venv(session)
+    install_packages(session, install_order(list(package_dirs())))
+    session.run("python", str(ROOT / "examples" / "train_gpt.py"), *session.posargs)
+
+
+@nox.session(default=False)
+def gpu(session: nox.Session) -> None:
+    """On a CUDA machine: AOT-build everything, run the gpu tests and benchmarks (tools/gpu_verify.sh)."""
+    out = session.posargs[0] if session.posargs else str(ROOT / "gpu-results")
+    session.run("bash", str(ROOT / "tools" / "gpu_verify.sh"), out, external=True)

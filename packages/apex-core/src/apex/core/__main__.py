@@ -1,0 +1,5 @@
+import sys
+
+from apex.core.cli import main
+
+sys.exit(main())

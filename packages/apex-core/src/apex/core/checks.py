@@ -1,0 +1,78 @@
+"""Argument checks shared by every reference and fake implementation.
+
+They read only metadata (dtype, device, shape, strides), so they run unchanged on fake
+tensors under ``torch.compile``; the CUDA kernels perform the same checks in C++ with the
+same wording, so a bad argument gets one clear error on every path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _dtype_names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def same_lengths(op: str, **lists: Sequence) -> int:
+    lengths = {name: len(value) for name, value in lists.items()}
+    if len(set(lengths.values())) > 1:
+        described = ", ".join(f"{name} has {n}" for name, n in lengths.items())
+        raise ValueError(f"{op}: tensor lists must have the same length ({described})")
+    return next(iter(lengths.values()), 0)
+
+
+def tensor_list(
+    op: str,
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    device: torch.device | None,
+    dtypes=FLOAT_DTYPES,
+    contiguous: bool = True,
+) -> torch.device | None:
+    """Check one list's tensors: one dtype among ``dtypes``, one device, dense. Returns the device."""
+    first_dtype = None
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name}[{i}] is a {type(t).__name__}, not a Tensor")
+        if t.layout != torch.strided:
+            raise ValueError(f"{op}: {name}[{i}] has layout {t.layout}; only dense (strided) tensors are supported")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{op}: {name}[{i}] has dtype {t.dtype}; expected one of {_dtype_names(dtypes)}")
+        if first_dtype is None:
+            first_dtype = t.dtype
+        elif t.dtype != first_dtype:
+            raise TypeError(
+                f"{op}: {name}[{i}] has dtype {t.dtype} but {name}[0] has {first_dtype}; "
+                "all tensors of one list must share a dtype"
+            )
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{op}: {name}[{i}] is on {t.device}, expected {device}")
+        if contiguous and not t.is_contiguous():
+            raise ValueError(f"{op}: {name}[{i}] is not contiguous")
+    return device
+
+
+def scalar_tensor(
+    op: str, name: str, t: torch.Tensor, dtypes, device: torch.device | None
+) -> torch.device:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected {_dtype_names(dtypes)}")
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {name} must have exactly one element, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
+    return t.device
+
+
+def positive_chunk_size(op: str, chunk_size: int) -> None:
+    if chunk_size <= 0:
+        raise ValueError(f"{op}: chunk_size must be positive, got {chunk_size}")
