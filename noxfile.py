@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import re
 import shutil
-import tomllib
+import sys
 import zipfile
 from pathlib import Path
 
 import nox
 
-ROOT = Path(__file__).parent
-PACKAGES = ROOT / "packages"
+sys.path.insert(0, str(Path(__file__).parent / "tools"))
+from workspace import PACKAGES, ROOT, install_order, is_kernel_package, package_dirs, project, provides
+
 WHEELHOUSE = ROOT / "wheelhouse"
 CPU_TORCH = "torch==2.13.0"  # a CPU build, on local disk on the dev/CI machines
 CUDA_TORCH = "torch==2.14.1"  # a CUDA 13 build that can compile extensions without a GPU
@@ -27,50 +28,6 @@ BUILD_TOOLS = ("setuptools>=69", "wheel", "ninja", "hatchling")
 nox.options.sessions = ["lint", "tests", "isolated", "wheels"]
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
-
-
-def _project(path: Path) -> dict:
-    return tomllib.loads((path / "pyproject.toml").read_text())["project"]
-
-
-def _apex_requirements(path: Path) -> list[str]:
-    """Names of the apex distributions a package depends on."""
-    names = []
-    for requirement in _project(path).get("dependencies", []):
-        name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0]
-        if name == "apex" or name.startswith("apex-"):
-            names.append(name)
-    return names
-
-
-def package_dirs() -> dict[str, Path]:
-    """Distribution name -> folder, for every package except the meta-package."""
-    found = {}
-    for path in sorted(PACKAGES.iterdir()):
-        if (path / "pyproject.toml").exists() and path.name != "apex":
-            found[_project(path)["name"]] = path
-    return found
-
-
-def install_order(names: list[str]) -> list[Path]:
-    """Folders of ``names`` and everything they need, dependencies first."""
-    dirs, ordered, seen = package_dirs(), [], set()
-
-    def visit(name: str) -> None:
-        if name in seen:
-            return
-        seen.add(name)
-        for dependency in _apex_requirements(dirs[name]):
-            visit(dependency)
-        ordered.append(dirs[name])
-
-    for name in names:
-        visit(name)
-    return ordered
-
-
-def is_kernel_package(path: Path) -> bool:
-    return (path / "setup.py").exists()
 
 
 def install_packages(session: nox.Session, folders: list[Path], editable: bool = True) -> None:
@@ -91,8 +48,8 @@ def pytest_args(session: nox.Session, paths: list[str]) -> list[str]:
 def tests(session: nox.Session) -> None:
     """Every package in one venv, CPU: the README's test command runs this among the defaults."""
     base_venv(session)
-    install_packages(session, install_order(list(package_dirs())))
-    session.install("--no-deps", "--no-build-isolation", "-e", str(PACKAGES / "apex"))
+    install_packages(session, install_order())
+    session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
     session.run(*pytest_args(session, [str(PACKAGES)]))
 
 
@@ -105,7 +62,7 @@ def isolated(session: nox.Session, package: str) -> None:
     install_packages(session, folders, editable=False)
     installed = session.run("python", "-m", "pip", "list", "--format=freeze", silent=True)
     apex_installed = sorted(line.split("==")[0] for line in installed.splitlines() if line.startswith("apex"))
-    expected = sorted(_project(f)["name"] for f in folders)
+    expected = sorted(project(f)["name"] for f in folders)
     if apex_installed != expected:
         session.error(f"isolated {package}: installed {apex_installed}, expected exactly {expected}")
     session.chdir(ROOT)
@@ -119,12 +76,12 @@ def build(session: nox.Session) -> None:
     out = ROOT / "build" / "nox-build"
     shutil.rmtree(out, ignore_errors=True)
     env = {"APEX_BUILD_OPS": "1", "TORCH_CUDA_ARCH_LIST": BUILD_ARCH, "MAX_JOBS": session.env.get("MAX_JOBS", "2")}
-    for folder in install_order(list(package_dirs())):
+    for folder in install_order():
         if is_kernel_package(folder):
             session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out),
                         str(folder), env=env)
             session.install("--no-deps", "--no-index", "--force-reinstall", *map(str, out.glob(
-                f"{_project(folder)['name'].replace('-', '_')}-*.whl")))
+                f"{project(folder)['name'].replace('-', '_')}-*.whl")))
         else:
             install_packages(session, [folder], editable=False)
     for wheel in out.glob("*.whl"):
@@ -151,7 +108,7 @@ def wheels(session: nox.Session) -> None:
     """Build every wheel into ./wheelhouse, check them, install apex[all] from it with --no-index, import all."""
     base_venv(session)
     shutil.rmtree(WHEELHOUSE, ignore_errors=True)
-    folders = [*install_order(list(package_dirs())), PACKAGES / "apex"]
+    folders = [*install_order(), PACKAGES / "apex"]
     for folder in folders:
         session.run("python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEELHOUSE),
                     str(folder), env={"APEX_BUILD_OPS": "0"})
@@ -166,15 +123,9 @@ def wheels(session: nox.Session) -> None:
     session.run(python, "-m", "pip", "install", "-q", CPU_TORCH, external=True)
     session.run(python, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE), "apex[all]",
                 external=True)
-    modules = sorted({m for folder in folders[:-1] for m in _provides(folder)})
+    modules = sorted({m for folder in folders[:-1] for m in provides(folder)})
     session.run(python, "-c", _IMPORT_CHECK.format(modules=modules), external=True)
     session.run(str(fresh / "bin" / "apex"), "report", external=True)
-
-
-def _provides(folder: Path) -> list[str]:
-    text = next((folder / "src").rglob("_plugin.py")).read_text()
-    match = re.search(r"provides=\(([^)]*)\)", text)
-    return re.findall(r'"([\w.]+)"', match.group(1)) if match else []
 
 
 _IMPORT_CHECK = """
@@ -197,7 +148,7 @@ def lint(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Train the tiny GPT of examples/ with every apex package installed."""
     base_venv(session)
-    install_packages(session, install_order(list(package_dirs())))
+    install_packages(session, install_order())
     session.run("python", str(ROOT / "examples" / "train_gpt.py"), *session.posargs)
 
 

@@ -38,8 +38,6 @@ from apex.core.descriptors import KernelLibrary
 from apex.multi_tensor_apply import multi_tensor_applier
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
-# Elements per block for the multi-tensor kernels (Apex's customary 2048 * 32).
-CHUNK_SIZE = 65536
 
 
 # Pluggable pieces --------------------------------------------------------------------------
@@ -86,8 +84,8 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch
     noop_flag.zero_()
     total_norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, noop_flag, [grads], False)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    # The dispatcher op (rather than amp_C's float-scale form) takes the factor as a tensor.
-    torch.ops.apex_core.multi_tensor_scale(CHUNK_SIZE, noop_flag, grads, grads, 1.0, clip_coef)
+    # A tensor scale is read on the device; a float would need clip_coef.item(), a host sync.
+    multi_tensor_applier(amp_C.multi_tensor_scale, noop_flag, [grads, grads], clip_coef)
     return total_norm
 
 

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from apex.core.descriptors import KernelLibrary
 
-COMMON_CXX_FLAGS = ("-O3", "-std=c++17")
+# No -std=...: torch.utils.cpp_extension adds the C++ standard its own headers need (C++20
+# for recent torch, whose headers do not compile as C++17), but only when none is given.
+COMMON_CXX_FLAGS = ("-O3",)
 COMMON_NVCC_FLAGS = (
     "-O3",
-    "-std=c++17",
     "--use_fast_math",
     "--expt-relaxed-constexpr",
     "-lineinfo",

@@ -1,0 +1,79 @@
+"""Plugin discovery, isolation of a broken plugin, lockstep versions and the ``apex`` command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+from apex.core import cli, plugins
+
+
+@pytest.fixture
+def broken_plugin(tmp_path, monkeypatch):
+    """A namespace portion apex/brokenthing whose _plugin module fails to import."""
+    folder = tmp_path / "apex" / "brokenthing"
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text("")
+    (folder / "_plugin.py").write_text("raise ImportError('needs a library that is not installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    monkeypatch.undo()
+    plugins.discover(refresh=True)
+
+
+def test_core_is_discovered_through_its_entry_point():
+    record = plugins.get("core")
+    assert record.error is None
+    assert record.found_by == "entry point"
+    assert record.plugin.distribution == "apex-core"
+    assert record.version == metadata.version("apex-core")
+    assert record.plugin.kernel_library.name == "apex_core"
+
+
+def test_a_broken_plugin_is_isolated_and_reported(broken_plugin, capsys):
+    records = {r.name: r for r in plugins.discover(refresh=True)}
+    assert records["brokenthing"].found_by == "namespace scan"
+    assert "needs a library that is not installed" in records["brokenthing"].error
+    assert records["core"].error is None
+    assert cli.report() == 1
+    out = capsys.readouterr().out
+    assert "BROKEN: ImportError: needs a library that is not installed" in out
+    assert "PROBLEM: brokenthing" in out
+
+
+def test_lockstep_versions_are_checked():
+    core = plugins.get("core")
+    stray = plugins.PluginRecord("stray", "x:PLUGIN", "entry point", core.plugin, "9.9.9")
+    problems = plugins.lockstep_problems([core, stray])
+    assert problems == [f"apex-core 9.9.9 does not match apex-core {core.version}"]
+    assert plugins.lockstep_problems([core]) == []
+
+
+def _apex(*args):
+    return subprocess.run([sys.executable, "-m", "apex.core", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_report_json():
+    result = _apex("report", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    data = json.loads(result.stdout)
+    core = next(p for p in data["plugins"] if p["name"] == "core")
+    assert core["tier"] in ("aot", "jit", "reference") and core["reason"]
+    assert data["environment"]["torch"]
+    assert data["problems"] == []
+
+
+def test_report_and_list_text():
+    report = _apex("report")
+    assert report.returncode == 0 and "apex-core" in report.stdout and "core" in report.stdout
+    listing = _apex("list")
+    assert listing.returncode == 0 and "apex.multi_tensor_apply" in listing.stdout
+
+
+def test_build_unknown_name():
+    result = _apex("build", "no-such-package")
+    assert result.returncode == 2 and "no kernel package named no-such-package" in result.stderr
