@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import sys
 import time
@@ -41,6 +42,7 @@ DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 
 
 # Pluggable pieces --------------------------------------------------------------------------
+
 
 @dataclass
 class Choice:
@@ -100,6 +102,7 @@ def describe_kernels(choice: Choice, device: torch.device) -> str:
 
 # Model -------------------------------------------------------------------------------------
 
+
 @dataclass
 class GPTConfig:
     vocab_size: int
@@ -118,8 +121,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
-        heads = [t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
-                 for t in self.qkv(x).split(width, dim=2)]
+        heads = [
+            t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2)
+            for t in self.qkv(x).split(width, dim=2)
+        ]
         y = F.scaled_dot_product_attention(*heads, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -179,6 +184,7 @@ class GPT(nn.Module):
 
 # Data --------------------------------------------------------------------------------------
 
+
 class CharData:
     """The corpus as character ids, split 90/10 into train and validation."""
 
@@ -234,7 +240,7 @@ def sample(model, data: CharData, prompt: str, length: int, temperature: float, 
     device = next(model.parameters()).device
     ids = data.encode(prompt) or [0]
     for _ in range(length):
-        context = torch.tensor([ids[-model.cfg.block_size:]], device=device)
+        context = torch.tensor([ids[-model.cfg.block_size :]], device=device)
         with autocast():
             logits = model(context)[0, -1].float().cpu()
         if temperature <= 0:
@@ -247,14 +253,19 @@ def sample(model, data: CharData, prompt: str, length: int, temperature: float, 
 
 # Training ----------------------------------------------------------------------------------
 
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
-                   help="autocast dtype for the forward pass; auto = bf16 on a GPU that supports it, else fp32")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="autocast dtype for the forward pass; auto = bf16 on a GPU that supports it, else fp32",
+    )
+    p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--lr", type=float, default=6e-3, help="peak learning rate (linear warm-up, cosine decay)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--batch-size", type=int, default=16)
@@ -292,11 +303,7 @@ def main(argv=None) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     bf16 = args.precision == "bf16" or (args.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported())
-    if bf16:
-        def autocast():
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-    else:
-        autocast = contextlib.nullcontext
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
 
     data = CharData(args.corpus.read_text(encoding="utf-8"), device)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
@@ -311,10 +318,14 @@ def main(argv=None) -> int:
     n_params = sum(p.numel() for p in params)
     device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
     print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {'bf16' if bf16 else 'fp32'}")
-    print(f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
-          f"train {len(data.splits['train'])} / val {len(data.splits['val'])}")
-    print(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
-          f"{n_params / 1e6:.2f}M parameters; batch {args.batch_size}, {args.steps} steps, peak lr {args.lr:g}")
+    print(
+        f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
+        f"train {len(data.splits['train'])} / val {len(data.splits['val'])}"
+    )
+    print(
+        f"model: {cfg.n_layer} layers, {cfg.n_head} heads, width {cfg.n_embd}, context {cfg.block_size}, "
+        f"{n_params / 1e6:.2f}M parameters; batch {args.batch_size}, {args.steps} steps, peak lr {args.lr:g}"
+    )
 
     gen = torch.Generator().manual_seed(args.seed)
     eval_windows = {split: data.eval_starts(split, cfg.block_size, args.eval_windows) for split in ("train", "val")}
@@ -322,7 +333,7 @@ def main(argv=None) -> int:
     def run_eval() -> dict:
         return evaluate(model, data, eval_windows, cfg.block_size, args.batch_size, autocast)
 
-    def train_step() -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step() -> torch.Tensor:
         x, y = data.batch("train", data.random_starts("train", args.batch_size, cfg.block_size, gen), cfg.block_size)
         with autocast():
             logits = model(x)
@@ -332,49 +343,51 @@ def main(argv=None) -> int:
         grad_norm = clip_grad_norm_([p.grad for p in params], args.max_grad_norm, noop_flag)
         optimizer.step()
         scheduler.step()
-        return loss.detach(), grad_norm
+        return grad_norm
 
     def sync() -> None:
         if use_cuda:
             torch.cuda.synchronize(device)
 
-    initial = run_eval()
-    # The first step may load or JIT-compile kernels; it is left out of the throughput.
-    loss, grad_norm = train_step()
-    sync()
-    print("apex pieces (kernel tier after the first step):")
-    for choice in (clip_choice, opt_choice, norm_choice):
-        if choice.kernels is not None:
-            print(describe_kernels(choice, device))
-        else:
-            print(f"  {choice.role:<10} {choice.name:<34} ({choice.note})")
-
-    header = f"{'step':>6} {'train loss':>11} {'val loss':>9} {'grad norm':>10} {'lr':>9} {'tokens/s':>10}"
-    print(header)
-    print(f"{0:>6} {initial['train']:>11.4f} {initial['val']:>9.4f} {'-':>10} {'-':>9} {'-':>10}")
-    latest = initial
+    initial = latest = run_eval()
     tokens_per_step = args.batch_size * cfg.block_size
-    interval_start, interval_steps = time.perf_counter(), 0
-    for step in range(2, args.steps + 1):
-        loss, grad_norm = train_step()
-        interval_steps += 1
+    for step in range(1, args.steps + 1):
+        grad_norm = train_step()
+        if step == 1:
+            # The first step may have loaded or JIT-compiled kernels: report the tiers it ran
+            # with, and leave it out of the throughput.
+            sync()
+            print("apex pieces (kernel tier after the first step):")
+            for choice in (clip_choice, opt_choice, norm_choice):
+                if choice.kernels is not None:
+                    print(describe_kernels(choice, device))
+                else:
+                    print(f"  {choice.role:<10} {choice.name:<34} ({choice.note})")
+            print(f"{'step':>6} {'train loss':>11} {'val loss':>9} {'grad norm':>10} {'lr':>9} {'tokens/s':>10}")
+            print(f"{0:>6} {initial['train']:>11.4f} {initial['val']:>9.4f} {'-':>10} {'-':>9} {'-':>10}")
+            interval_start, interval_steps = time.perf_counter(), 0
+        else:
+            interval_steps += 1
         if step % args.eval_interval == 0 or step == args.steps:
             sync()
             elapsed = time.perf_counter() - interval_start
+            throughput = f"{interval_steps * tokens_per_step / elapsed:.0f}" if interval_steps else "-"
             latest = run_eval()
             lr = scheduler.get_last_lr()[0]
-            print(f"{step:>6} {latest['train']:>11.4f} {latest['val']:>9.4f} {grad_norm.item():>10.3f} {lr:>9.2e} "
-                  f"{interval_steps * tokens_per_step / elapsed:>10.0f}")
+            print(
+                f"{step:>6} {latest['train']:>11.4f} {latest['val']:>9.4f} {grad_norm.item():>10.3f} {lr:>9.2e} "
+                f"{throughput:>10}"
+            )
             interval_start, interval_steps = time.perf_counter(), 0
-    if args.steps == 1:
-        latest = run_eval()
 
     text = sample(model, data, "The ", args.sample_chars, args.temperature, gen, autocast)
     print(f"\nsample ({args.sample_chars} chars, temperature {args.temperature:g}):\n{text}\n")
     improved = latest["val"] < initial["val"]
-    print(f"final loss: train {latest['train']:.4f}, val {latest['val']:.4f} "
-          f"(initial val {initial['val']:.4f}, {'improved' if improved else 'NOT improved'}); "
-          f"{time.perf_counter() - wall_start:.1f} s")
+    print(
+        f"final loss: train {latest['train']:.4f}, val {latest['val']:.4f} "
+        f"(initial val {initial['val']:.4f}, {'improved' if improved else 'NOT improved'}); "
+        f"{time.perf_counter() - wall_start:.1f} s"
+    )
     return 0 if improved else 1
 
 

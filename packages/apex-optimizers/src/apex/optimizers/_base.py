@@ -1,0 +1,161 @@
+"""What every fused optimizer shares: bucketing, steps, master weights, GradScaler, state_dict.
+
+Parameters are grouped into buckets of one device, parameter dtype and gradient dtype (and
+"has a fp32 master copy"), and each bucket is one call of the optimizer's op, so fp32, fp16 and
+bf16 parameters on several devices can share a parameter group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from apex.optimizers import _ops
+
+DEFAULT_CHUNK_SIZE = 65536
+_REDUCED = (torch.float16, torch.bfloat16)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base class; subclasses implement :meth:`_step_group`.
+
+    ``torch.amp.GradScaler`` hands ``grad_scale`` and ``found_inf`` over through the public
+    ``_step_supports_amp_scaling`` protocol: gradients are unscaled inside the kernel and the
+    step is skipped on the device when ``found_inf`` is set, with no host sync.
+    """
+
+    _step_supports_amp_scaling = True
+    chunk_size = DEFAULT_CHUNK_SIZE
+    initial_step = 0
+
+    def __init__(self, params, defaults: dict, set_grad_none: bool, capturable: bool = False,
+                 master_weights: bool = False):
+        self.set_grad_none = set_grad_none
+        self.capturable = capturable
+        self.master_weights = master_weights
+        super().__init__(params, defaults)
+
+    # --- torch.optim.Optimizer API -------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scaler = _ScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        self._prepare(scaler)
+        for group in self.param_groups:
+            self._step_group(group, scaler)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but optimizer state keeps its saved dtype (fp32 moments and master weights
+        of fp16/bf16 parameters stay fp32), so a resumed run continues bitwise."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for saved_group, group in zip(saved_groups, self.param_groups):
+            for saved_id, param in zip(saved_group["params"], group["params"]):
+                for key, value in saved_state.get(saved_id, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        device = param.device if (key != "step" or value.device.type != "cpu") else "cpu"
+                        self.state[param][key] = value.to(device=device, dtype=value.dtype, copy=True)
+
+    # --- helpers for subclasses ----------------------------------------------------------
+
+    def _prepare(self, scaler) -> None:
+        """Work over all groups before any is stepped (LAMB's global gradient norm)."""
+
+    def _name(self) -> str:
+        return type(self).__name__
+
+    def _buckets(self, group: dict) -> dict[tuple, list[torch.Tensor]]:
+        """Parameters with a gradient, by (device, param dtype, grad dtype, has master copy)."""
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{self._name()} does not support sparse gradients")
+            if p.dtype not in (torch.float32, *_REDUCED):
+                raise TypeError(f"{self._name()}: parameter of dtype {p.dtype}; expected float32, float16 or bfloat16")
+            has_master = self.master_weights and p.dtype in _REDUCED
+            buckets[(p.device, p.dtype, p.grad.dtype, has_master)].append(p)
+        return buckets
+
+    def _state(self, p: torch.Tensor, *names: str) -> dict:
+        """The parameter's state, created on first use: fp32 zeros for ``names``, a step, a master copy."""
+        state = self.state[p]
+        if not state:
+            on_device = self.capturable and p.device.type != "cpu"
+            state["step"] = torch.full((), float(self.initial_step), dtype=torch.float32,
+                                       device=p.device if on_device else "cpu")
+            for name in names:
+                state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if self.master_weights and p.dtype in _REDUCED:
+                state["master_param"] = p.detach().float().clone(memory_format=torch.contiguous_format)
+        return state
+
+    @staticmethod
+    def _advance(states: list[dict], device: torch.device, found_inf: torch.Tensor | None):
+        """Count one more step for a bucket; return (host step, device step tensor or None).
+
+        Steps live on the host (no sync to read) unless the optimizer is capturable or a
+        GradScaler hands over found_inf: then they move to the device and a skipped step is not
+        counted, without a sync.
+        """
+        steps = [s["step"] for s in states]
+        if found_inf is None and all(t.device.type == "cpu" for t in steps):
+            torch._foreach_add_(steps, 1.0)
+            return int(steps[0].item()), None
+        if any(t.device != device for t in steps):
+            for s in states:
+                s["step"] = s["step"].to(device)
+            steps = [s["step"] for s in states]
+        if found_inf is None:
+            torch._foreach_add_(steps, 1.0)
+        else:
+            torch._foreach_add_(steps, 1.0 - found_inf.reshape(()))
+        return 0, steps[0]
+
+    @staticmethod
+    def _lr(group: dict, device: torch.device):
+        """(host lr, device lr tensor or None): a tensor lr is read on the device."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            return 0.0, lr.to(device=device, dtype=torch.float32).reshape(1)
+        return float(lr), None
+
+    @staticmethod
+    def _masters(params: list[torch.Tensor], states: list[dict], has_master: bool) -> list[torch.Tensor]:
+        return [s["master_param"] for s in states] if has_master else []
+
+
+class _ScalerInputs:
+    """grad_scale / found_inf from a GradScaler, moved once to each device that needs them."""
+
+    def __init__(self, grad_scale: torch.Tensor | None, found_inf: torch.Tensor | None):
+        self.grad_scale = grad_scale
+        self.found_inf = found_inf
+        self._cache: dict = {}
+
+    def on(self, device: torch.device):
+        if device not in self._cache:
+            def move(t):
+                return None if t is None else t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
+
+            self._cache[device] = (move(self.grad_scale), move(self.found_inf))
+        return self._cache[device]
+
+
+def grads_of(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params]
+
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "FusedOptimizer", "_ops", "grads_of"]

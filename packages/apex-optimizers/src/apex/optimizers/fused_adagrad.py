@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from apex.optimizers import _ops
+from apex.optimizers._base import FusedOptimizer, grads_of
+
+
+class FusedAdagrad(FusedOptimizer):
+    r"""Adagrad in one fused kernel per parameter bucket.
+
+    As ``torch.optim.Adagrad`` (no lr decay, zero initial accumulator):
+
+    .. math::
+        g &\leftarrow g + \lambda\theta \quad(\text{unless adagrad\_w\_mode}) \\
+        h &\leftarrow h + g^2 \\
+        \theta &\leftarrow \theta - \text{lr}\left(\frac{g}{\sqrt{h} + \epsilon}
+            + \lambda\theta\,[\text{adagrad\_w\_mode}]\right)
+
+    The accumulator :math:`h` is fp32 whatever the parameter dtype.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        eps: added to the denominator.
+        weight_decay: weight decay :math:`\lambda`.
+        set_grad_none: ``zero_grad()`` sets gradients to None by default.
+        adagrad_w_mode: decoupled weight decay (applied to the update) instead of L2 on the gradient.
+    """
+
+    def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False):
+        if not hasattr(lr, "shape") and lr < 0.0:
+            raise ValueError(f"FusedAdagrad: invalid learning rate lr={lr}")
+        if eps < 0.0:
+            raise ValueError(f"FusedAdagrad: invalid eps={eps}")
+        if weight_decay < 0.0:
+            raise ValueError(f"FusedAdagrad: invalid weight_decay={weight_decay}")
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+        self.adagrad_w_mode = adagrad_w_mode
+        super().__init__(params, defaults, set_grad_none)
+
+    def _step_group(self, group, scaler):
+        for (device, _, _, _), params in self._buckets(group).items():
+            host_lr, lr_tensor = self._lr(group, device)
+            grad_scale, found_inf = scaler.on(device)
+            states = [self._state(p, "sum") for p in params]
+            self._advance(states, device, found_inf)
+            _ops.fused_adagrad(
+                self.chunk_size, params, grads_of(params), [s["sum"] for s in states], [], host_lr, group["eps"],
+                group["weight_decay"], self.adagrad_w_mode, lr_tensor, grad_scale, found_inf,
+            )

@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import torch
+
+from apex.optimizers import _ops
+from apex.optimizers._base import FusedOptimizer, grads_of
+
+
+class FusedAdam(FusedOptimizer):
+    r"""Adam and AdamW in one fused multi-tensor kernel per parameter bucket.
+
+    With :math:`g` the gradient (divided by the loss scale when a ``GradScaler`` drives the
+    step), :math:`\lambda` the weight decay and :math:`t` the step:
+
+    .. math::
+        \text{Adam (adam\_w\_mode=False):}\quad & g \leftarrow g + \lambda\theta \\
+        \text{AdamW (adam\_w\_mode=True):}\quad & \theta \leftarrow \theta (1 - \text{lr}\,\lambda) \\
+        m &\leftarrow \beta_1 m + (1-\beta_1) g,\qquad v \leftarrow \beta_2 v + (1-\beta_2) g^2 \\
+        \theta &\leftarrow \theta - \frac{\text{lr}}{1-\beta_1^t}\,
+            \frac{m}{\sqrt{v}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    exactly as ``torch.optim.Adam``/``AdamW`` compute it (the bias corrections are 1 when
+    ``bias_correction=False``). Moments are fp32 whatever the parameter dtype.
+
+    Args:
+        params: parameters or parameter groups (fp32, fp16 and bf16 may be mixed, on any devices).
+        lr: learning rate (a float, or a tensor read on the device).
+        bias_correction: apply Adam's bias corrections.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        adam_w_mode: decoupled weight decay (AdamW) when True, L2 regularisation (Adam) when False.
+        weight_decay: decay coefficient :math:`\lambda`.
+        amsgrad: not supported; True raises.
+        set_grad_none: ``zero_grad()`` sets gradients to None by default.
+        capturable: keep the step count (and a tensor lr) on the device so that ``step()`` can be
+            captured in a CUDA graph; a skipped (overflow) step is not counted.
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the optimizer state,
+            update them, and write the rounded result to the parameters in the same kernel.
+    """
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
+                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
+        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
+            raise ValueError(f"FusedAdam: invalid learning rate lr={lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"FusedAdam: invalid eps={eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"FusedAdam: invalid betas={betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"FusedAdam: invalid weight_decay={weight_decay}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.adam_w_mode = adam_w_mode
+        super().__init__(params, defaults, set_grad_none, capturable, master_weights)
+
+    def _step_group(self, group, scaler):
+        beta1, beta2 = group["betas"]
+        for (device, _, _, has_master), params in self._buckets(group).items():
+            host_lr, lr_tensor = self._lr(group, device)
+            states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
+            grad_scale, found_inf = scaler.on(device)
+            step, step_tensor = self._advance(states, device, found_inf)
+            _ops.fused_adam(
+                self.chunk_size, params, grads_of(params),
+                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                self._masters(params, states, has_master),
+                host_lr, step, beta1, beta2, group["eps"], group["weight_decay"], self.adam_w_mode,
+                group["bias_correction"], lr_tensor, step_tensor, grad_scale, found_inf,
+            )
