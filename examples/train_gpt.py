@@ -15,7 +15,10 @@ the train and validation loss and throughput every ``--eval-interval`` steps, an
 text sample. The exit status is 0 only if the validation loss went down.
 
     python examples/train_gpt.py                  # CPU, or the GPU when there is one
-    python examples/train_gpt.py --device cuda --steps 2000 --batch-size 64 --block-size 256
+    python examples/train_gpt.py --device cpu --steps 100 --eval-interval 25
+
+The corpus is small (24 KB): much longer or larger runs memorize it, and the validation loss
+turns back up. Give ``--corpus`` a bigger text for those.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apex.core import amp_C, loader
-from apex.core._plugin import KERNELS as CORE_KERNELS
+from apex.core import amp_C, loader, plugins
 from apex.core.descriptors import KernelLibrary
 from apex.multi_tensor_apply import multi_tensor_applier
 
@@ -54,27 +56,31 @@ class Choice:
     note: str = ""
 
 
+def plugin_kernels(name: str) -> KernelLibrary | None:
+    """The kernel library that the installed apex plugin ``name`` declares."""
+    plugin = plugins.get(name).plugin
+    return plugin.kernel_library if plugin is not None else None
+
+
 def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, Choice]:
     """FusedAdam (decoupled weight decay) when apex-optimizers is installed, else AdamW."""
     betas = (0.9, 0.95)
     try:
         from apex.optimizers import FusedAdam
-        from apex.optimizers._plugin import PLUGIN
     except ImportError as exc:
         optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas)
         return optimizer, Choice("optimizer", "torch.optim.AdamW", note=f"apex.optimizers unavailable: {exc}")
     optimizer = FusedAdam(param_groups, lr=lr, betas=betas, adam_w_mode=True)
-    return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", PLUGIN.kernel_library)
+    return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", plugin_kernels("optimizers"))
 
 
 def pick_norm() -> tuple[type[nn.Module], Choice]:
     """FusedLayerNorm when apex-normalization is installed, else torch.nn.LayerNorm."""
     try:
         from apex.normalization import FusedLayerNorm
-        from apex.normalization._plugin import PLUGIN
     except ImportError as exc:
         return nn.LayerNorm, Choice("norm", "torch.nn.LayerNorm", note=f"apex.normalization unavailable: {exc}")
-    return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", PLUGIN.kernel_library)
+    return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", plugin_kernels("normalization"))
 
 
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch.Tensor) -> torch.Tensor:
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
     model = GPT(cfg, norm).to(device)
     optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
-    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", CORE_KERNELS)
+    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", plugin_kernels("core"))
     params = [p for p in model.parameters() if p.requires_grad]
     noop_flag = torch.zeros(1, dtype=torch.int32, device=device)
 
