@@ -98,11 +98,12 @@ def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch
 
 
 def describe_kernels(choice: Choice, device: torch.device) -> str:
-    status = loader.status(choice.kernels)
-    tier, reason = status.tier, status.reason
-    if device.type == "cpu" and tier == "not loaded":
+    if device.type == "cpu":
         # CPU tensors always take the PyTorch reference; the loader is only asked for CUDA.
         tier, reason = "reference", "CPU tensors use the PyTorch reference"
+    else:
+        status = loader.status(choice.kernels)
+        tier, reason = status.tier, status.reason
     return f"  {choice.role:<10} {choice.name:<34} tier={tier} ({reason})"
 
 

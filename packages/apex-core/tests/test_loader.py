@@ -118,8 +118,9 @@ def test_fallback_warns_once_with_the_reason(monkeypatch, fake_lib):
     assert "apex_loader_fake kernels unavailable" in messages[0] and "nvcc exploded" in messages[0]
 
 
-def test_status_before_loading(fake_lib):
-    assert loader.status(fake_lib[0]).tier == "not loaded"
+def test_status_before_loading_is_the_probe(monkeypatch, fake_lib):
+    monkeypatch.setenv("APEX_OPS", "reference")
+    assert loader.status(fake_lib[0]).reason == "forced by APEX_OPS=reference"
 
 
 def test_jit_cache_key_depends_on_sources(monkeypatch, tmp_path, fake_lib):

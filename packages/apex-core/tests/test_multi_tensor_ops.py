@@ -251,7 +251,8 @@ def test_bad_inputs_name_the_argument(device):
     with pytest.raises(ValueError, match=r"x\[0\], y\[0\] and out\[0\] must have the same number of elements"):
         _ops.multi_tensor_axpby(CHUNK, noop, good, good[::-1], outs, 1.0, 1.0, -1)
     with pytest.raises(TypeError, match=r"inv_scale has dtype torch.float64"):
-        _ops.multi_tensor_unscale_l2norm(CHUNK, noop, good, [], torch.ones(1, dtype=torch.float64, device=device), False)
+        bad_scale = torch.ones(1, dtype=torch.float64, device=device)
+        _ops.multi_tensor_unscale_l2norm(CHUNK, noop, good, [], bad_scale, False)
     with pytest.raises(TypeError, match=r"growth_tracker has dtype torch.int64"):
         _ops.update_scale_hysteresis(torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device),
                                      torch.ones(1, dtype=torch.int32, device=device), torch.zeros(1, device=device),

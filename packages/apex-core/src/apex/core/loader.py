@@ -67,9 +67,10 @@ def cache_root() -> Path:
 
 
 def status(lib: KernelLibrary) -> LibraryStatus:
-    """The library's status without loading anything."""
+    """The library's status: what was loaded, or (before any CUDA op ran) what :func:`probe` expects."""
     with _lock:
-        return _status.get(lib.name) or LibraryStatus(lib.name, "not loaded", "no CUDA op has run yet")
+        loaded = _status.get(lib.name)
+    return loaded if loaded is not None else probe(lib)
 
 
 def _find_aot(lib: KernelLibrary, root: Path) -> Path | None:
