@@ -17,6 +17,12 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$($PY -c \
   "import torch; print(';'.join(sorted({'%d.%d' % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))")}
 export APEX_CACHE_DIR=${APEX_CACHE_DIR:-/tmp/apex-cache}
 export PYTHONUNBUFFERED=1
+# Some CUDA images point CC/CXX at a wrapper that links libstdc++ statically into extensions;
+# a C++ exception thrown from such a library (every argument error) then kills Python.
+# Build with the system compiler unless told otherwise.
+if [[ -z ${APEX_KEEP_CC:-} && -x /usr/bin/gcc && -x /usr/bin/g++ ]]; then
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++
+fi
 failed=()
 
 echo "== $(date -u +%FT%TZ) arch ${TORCH_CUDA_ARCH_LIST} jobs ${MAX_JOBS}" | tee "$OUT/build.log"
