@@ -98,9 +98,22 @@ def test_pure_install_takes_seconds(tmp_path):
     """``APEX_BUILD_OPS=0`` builds apex-core's wheel without compiling anything."""
     env = {**os.environ, "APEX_BUILD_OPS": "0"}
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-         str(CORE_DIR)],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(CORE_DIR),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     wheels = list(tmp_path.glob("apex_core-*.whl"))

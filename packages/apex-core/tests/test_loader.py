@@ -106,9 +106,7 @@ def test_cpu_torch_falls_back_to_reference_quietly_and_jit_is_strict(monkeypatch
 
 def test_fallback_warns_once_with_the_reason(monkeypatch, fake_lib):
     lib = fake_lib[0]
-    monkeypatch.setattr(
-        loader, "load", lambda lib, **_: loader.LibraryStatus(lib.name, "reference", "nvcc exploded")
-    )
+    monkeypatch.setattr(loader, "load", lambda lib, **_: loader.LibraryStatus(lib.name, "reference", "nvcc exploded"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert loader.kernels_for_cuda(lib) is False

@@ -36,6 +36,7 @@ def assert_matches(actual, expected64, dtype):
 
 # scale ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("in_dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_scale_matches_reference(device, in_dtype, out_dtype):
@@ -84,6 +85,7 @@ def test_scale_empty_list_is_a_no_op(device):
 
 # axpby ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_axpby_matches_reference(device, dtype, out_dtype):
@@ -109,6 +111,7 @@ def test_axpby_checks_only_the_requested_argument(device, arg_to_check, expected
 
 
 # l2norm -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_tensor", [False, True])
@@ -139,6 +142,7 @@ def test_l2norm_empty(device):
 
 
 # unscale + l2norm -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("write", [False, True])
@@ -171,6 +175,7 @@ def test_unscale_l2norm_flags_overflow(device):
 
 
 # update_scale_hysteresis ------------------------------------------------------------------
+
 
 class ScalarScaler:
     """The loss-scale rule written out on Python floats, as an independent model."""
@@ -224,6 +229,7 @@ def test_update_scale_never_grows_to_inf(device):
 
 # bad input --------------------------------------------------------------------------------
 
+
 def test_bad_inputs_name_the_argument(device):
     good = make([10, 20], torch.float32, device)
     outs = poisoned_like(good, torch.float32)
@@ -254,9 +260,16 @@ def test_bad_inputs_name_the_argument(device):
         bad_scale = torch.ones(1, dtype=torch.float64, device=device)
         _ops.multi_tensor_unscale_l2norm(CHUNK, noop, good, [], bad_scale, False)
     with pytest.raises(TypeError, match=r"growth_tracker has dtype torch.int64"):
-        _ops.update_scale_hysteresis(torch.ones(1, device=device), torch.zeros(1, dtype=torch.int64, device=device),
-                                     torch.ones(1, dtype=torch.int32, device=device), torch.zeros(1, device=device),
-                                     2.0, 0.5, 10, 1)
+        _ops.update_scale_hysteresis(
+            torch.ones(1, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device),
+            torch.ones(1, dtype=torch.int32, device=device),
+            torch.zeros(1, device=device),
+            2.0,
+            0.5,
+            10,
+            1,
+        )
     with pytest.raises(ValueError, match=r"tensor_lists must hold 2 lists, got 1"):
         multi_tensor_applier(amp_C.multi_tensor_scale, noop, [good], 1.0)
 
@@ -272,6 +285,7 @@ def test_wrong_device_is_named():
 
 # dispatcher integration -------------------------------------------------------------------
 
+
 def _opcheck_cases(device):
     noop = flag(device)
     xs = make([3, 130], torch.float32, device)
@@ -283,9 +297,19 @@ def _opcheck_cases(device):
         (_ops.multi_tensor_axpby, (CHUNK, noop, xs, xs, outs, 2.0, 3.0, -1)),
         (_ops.multi_tensor_l2norm, (CHUNK, noop, ys, True)),
         (_ops.multi_tensor_unscale_l2norm, (CHUNK, noop, ys, outs, inv, True)),
-        (_ops.update_scale_hysteresis, (torch.ones(1, device=device), torch.zeros(1, dtype=torch.int32, device=device),
-                                        torch.ones(1, dtype=torch.int32, device=device), torch.ones(1, device=device),
-                                        2.0, 0.5, 3, 1)),
+        (
+            _ops.update_scale_hysteresis,
+            (
+                torch.ones(1, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device),
+                torch.ones(1, dtype=torch.int32, device=device),
+                torch.ones(1, device=device),
+                2.0,
+                0.5,
+                3,
+                1,
+            ),
+        ),
     ]
 
 
@@ -318,6 +342,7 @@ def test_torch_compile_fullgraph(device):
 
 
 # sizes and devices the kernels must get right ---------------------------------------------
+
 
 @pytest.mark.gpu
 @pytest.mark.slow

@@ -37,6 +37,7 @@ def _any_nonfinite(tensors_f32) -> torch.Tensor | None:
 
 # multi_tensor_scale ---------------------------------------------------------------------
 
+
 def _check_scale(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor):
     op = "multi_tensor_scale"
     checks.positive_chunk_size(op, chunk_size)
@@ -77,6 +78,7 @@ multi_tensor_scale = define(
 
 
 # multi_tensor_axpby ---------------------------------------------------------------------
+
 
 def _check_axpby(chunk_size, noop_flag, x, y, out, a, b, arg_to_check):
     op = "multi_tensor_axpby"
@@ -123,6 +125,7 @@ multi_tensor_axpby = define(
 
 # multi_tensor_l2norm --------------------------------------------------------------------
 
+
 def _check_l2norm(chunk_size, noop_flag, inputs, per_tensor):
     op = "multi_tensor_l2norm"
     checks.positive_chunk_size(op, chunk_size)
@@ -164,6 +167,7 @@ multi_tensor_l2norm = define(
 
 
 # multi_tensor_unscale_l2norm ------------------------------------------------------------
+
 
 def _check_unscale_l2norm(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor):
     op = "multi_tensor_unscale_l2norm"
@@ -208,8 +212,17 @@ multi_tensor_unscale_l2norm = define(
 
 # update_scale_hysteresis ----------------------------------------------------------------
 
-def _check_update_scale(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                        growth_factor, backoff_factor, growth_interval, hysteresis):
+
+def _check_update_scale(
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+):
     op = "update_scale_hysteresis"
     device = checks.scalar_tensor(op, "current_scale", current_scale, FLOAT32, None)
     checks.scalar_tensor(op, "growth_tracker", growth_tracker, INT32, device)
@@ -225,10 +238,26 @@ def _check_update_scale(current_scale, growth_tracker, hysteresis_tracker, found
         raise ValueError(f"{op}: backoff_factor must be in (0, 1), got {backoff_factor}")
 
 
-def _update_scale_reference(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                            growth_factor, backoff_factor, growth_interval, hysteresis):
-    _check_update_scale(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                        growth_factor, backoff_factor, growth_interval, hysteresis)
+def _update_scale_reference(
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+):
+    _check_update_scale(
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+    )
     found = found_inf > 0
     hysteresis_left = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
     back_off = found & (hysteresis_left <= 0)
@@ -245,10 +274,26 @@ def _update_scale_reference(current_scale, growth_tracker, hysteresis_tracker, f
     current_scale.copy_(new_scale)
 
 
-def _update_scale_fake(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                       growth_factor, backoff_factor, growth_interval, hysteresis):
-    _check_update_scale(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                        growth_factor, backoff_factor, growth_interval, hysteresis)
+def _update_scale_fake(
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+):
+    _check_update_scale(
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+    )
 
 
 update_scale_hysteresis = define(

@@ -49,9 +49,25 @@ def multi_tensor_unscale_l2norm(chunk_size, noop_flag, tensor_lists, inv_scale, 
     return _ops.multi_tensor_unscale_l2norm(chunk_size, noop_flag, lists[0], outputs, inv_scale, bool(per_tensor))
 
 
-def update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                            growth_factor, backoff_factor, growth_interval, hysteresis):
+def update_scale_hysteresis(
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+):
     """Megatron-style dynamic loss-scale update with hysteresis, entirely on the device (in place)."""
-    _ops.update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker, found_inf,
-                                 float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis))
+    _ops.update_scale_hysteresis(
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        float(growth_factor),
+        float(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+    )
     return current_scale

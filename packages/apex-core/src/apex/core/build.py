@@ -93,7 +93,9 @@ def find_cuda_home() -> Path:
         try:
             out = subprocess.run(
                 [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-                capture_output=True, text=True, timeout=30,
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
             match = re.search(r"^#\$ TOP=(.+)$", out.stdout + out.stderr, re.MULTILINE)
             if match:
@@ -133,9 +135,7 @@ def arch_list() -> str:
         value = ";".join(f"{major}.{minor}" for major, minor in caps)
         os.environ["TORCH_CUDA_ARCH_LIST"] = value
         return value
-    raise BuildUnavailable(
-        "no GPU visible to pick the CUDA architectures: set TORCH_CUDA_ARCH_LIST (e.g. '9.0')"
-    )
+    raise BuildUnavailable("no GPU visible to pick the CUDA architectures: set TORCH_CUDA_ARCH_LIST (e.g. '9.0')")
 
 
 def max_jobs() -> int:

@@ -59,9 +59,7 @@ def tensor_list(
     return device
 
 
-def scalar_tensor(
-    op: str, name: str, t: torch.Tensor, dtypes, device: torch.device | None
-) -> torch.device:
+def scalar_tensor(op: str, name: str, t: torch.Tensor, dtypes, device: torch.device | None) -> torch.device:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:

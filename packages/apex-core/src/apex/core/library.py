@@ -68,8 +68,7 @@ def define(lib: KernelLibrary, schema: str, reference: Callable, fake: Callable)
         if first is not None and first.is_cuda and getattr(_redispatching, "active", False):
             _missing_kernels.add(qualname)
             warnings.warn(
-                f"apex: {lib.name} is loaded but registers no CUDA kernel for {qualname}; "
-                "using the PyTorch reference",
+                f"apex: {lib.name} is loaded but registers no CUDA kernel for {qualname}; using the PyTorch reference",
                 loader.ReferenceFallbackWarning,
                 stacklevel=2,
             )
