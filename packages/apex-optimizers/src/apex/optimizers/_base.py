@@ -76,7 +76,13 @@ class FusedOptimizer(torch.optim.Optimizer):
         return type(self).__name__
 
     def _buckets(self, group: dict) -> dict[tuple, list[torch.Tensor]]:
-        """Parameters with a gradient, by (device, param dtype, grad dtype, has master copy)."""
+        """Parameters with a gradient, by (device, param dtype, grad dtype, has master copy, step).
+
+        An op call applies one step count to all its tensors, so parameters whose counts differ
+        (one that got its first gradient late, one that had none on some steps) go to separate
+        calls. Only counts kept on the host are read (no sync); counts on the device (capturable,
+        or after a GradScaler step on a GPU) are not, and such parameters share a bucket.
+        """
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for p in group["params"]:
             if p.grad is None:
@@ -86,8 +92,15 @@ class FusedOptimizer(torch.optim.Optimizer):
             if p.dtype not in (torch.float32, *_REDUCED):
                 raise TypeError(f"{self._name()}: parameter of dtype {p.dtype}; expected float32, float16 or bfloat16")
             has_master = self.master_weights and p.dtype in _REDUCED
-            buckets[(p.device, p.dtype, p.grad.dtype, has_master)].append(p)
+            buckets[(p.device, p.dtype, p.grad.dtype, has_master, self._host_step(p))].append(p)
         return buckets
+
+    def _host_step(self, p: torch.Tensor) -> float | None:
+        """The parameter's step count if it is known on the host without a sync, else None."""
+        step = self.state[p].get("step") if p in self.state else None
+        if step is None:
+            return float(self.initial_step)
+        return float(step) if step.device.type == "cpu" else None
 
     def _state(self, p: torch.Tensor, *names: str) -> dict:
         """The parameter's state, created on first use: fp32 zeros for ``names``, a step, a master copy."""

@@ -38,7 +38,7 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     def _step_group(self, group, scaler):
-        for (device, _, _, _), params in self._buckets(group).items():
+        for (device, _, _, _, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             grad_scale, found_inf = scaler.on(device)
             states = [self._state(p, "sum") for p in params]

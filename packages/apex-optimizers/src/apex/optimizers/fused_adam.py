@@ -56,7 +56,7 @@ class FusedAdam(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, has_master), params in self._buckets(group).items():
+        for (device, _, _, has_master, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
             grad_scale, found_inf = scaler.on(device)

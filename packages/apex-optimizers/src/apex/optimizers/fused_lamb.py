@@ -59,7 +59,7 @@ class FusedLAMB(FusedOptimizer):
         """The global L2 norm of all (unscaled) gradients, on the first parameter's device."""
         squares, home = [], None
         for group in self.param_groups:
-            for (device, _, _, _), params in self._buckets(group).items():
+            for (device, _, _, _, _), params in self._buckets(group).items():
                 home = home or device
                 grad_scale, _ = scaler.on(device)
                 noop = torch.zeros(1, dtype=torch.int32, device=device)
@@ -73,7 +73,7 @@ class FusedLAMB(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, has_master), params in self._buckets(group).items():
+        for (device, _, _, has_master, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             grad_scale, found_inf = scaler.on(device)
             states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]

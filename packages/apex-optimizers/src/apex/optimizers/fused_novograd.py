@@ -59,12 +59,16 @@ class FusedNovoGrad(FusedOptimizer):
                 _, norms = torch.ops.apex_core.multi_tensor_unscale_l2norm(
                     self.chunk_size, noop, grads, [], 1.0 / grad_scale, True)
             return norms
-        norms = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+        # torch refuses the infinity norm of an empty tensor; like its L2 norm, it is 0 here
+        filled = [g for g in grads if g.numel()]
+        maxima = iter(torch._foreach_norm(filled, float("inf")) if filled else [])
+        zero = torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch.stack([next(maxima).float() if g.numel() else zero for g in grads])
         return norms / grad_scale if grad_scale is not None else norms
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, _), params in self._buckets(group).items():
+        for (device, _, _, _, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             grad_scale, found_inf = scaler.on(device)
             states = [self._state(p, "exp_avg") for p in params]

@@ -50,7 +50,7 @@ class FusedSGD(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         momentum = group["momentum"]
-        for (device, _, _, _), params in self._buckets(group).items():
+        for (device, _, _, _, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             grad_scale, found_inf = scaler.on(device)
             # Parameters whose momentum buffer starts now take the gradient itself (first_run).
