@@ -1,0 +1,127 @@
+// fused_adagrad: one multi-tensor pass of Adagrad (L2 or decoupled weight decay) over params,
+// grads, state_sums (and fp32 master_params). See _adagrad_reference in
+// apex/optimizers/_ops.py for the math. 20 bytes per fp32 parameter: read parameter, gradient
+// and sum; write parameter and sum.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <type_traits>
+
+#include <apex/checks.h>
+#include <apex/dispatch.h>
+#include <apex/multi_tensor_apply.cuh>
+#include <apex/vectorized.cuh>
+
+#include "optimizer_common.cuh"
+
+namespace {
+
+constexpr const char* kOp = "fused_adagrad";
+
+struct AdagradArgs {
+  apex_optimizers::DeviceScalars scalars;
+  float lr;
+  float eps;
+  float weight_decay;
+  bool adagrad_w_mode;
+};
+
+// Lists: 0 the parameter the update is computed on (fp32 master copy when kMaster, else the
+// params), 1 grads, 2 state_sums, and with kMaster 3 the params (written only).
+template <typename Param, typename Grad, bool kMaster>
+struct AdagradFunctor {
+  using Current = std::conditional_t<kMaster, float, Param>;
+  static constexpr int kDepth = kMaster ? 4 : 3;
+
+  AdagradArgs args;
+
+  __device__ void operator()(const apex::Chunk<kDepth>& chunk) const {
+    if (args.scalars.skip()) return;
+    const float lr = args.scalars.lr(args.lr);
+    const float inv_grad_scale = args.scalars.inv_grad_scale();
+    const float l2_decay = args.adagrad_w_mode ? 0.0f : args.weight_decay;
+    const float decoupled_decay = args.adagrad_w_mode ? args.weight_decay : 0.0f;
+    const float eps = args.eps;
+
+    Current* current = chunk.template data<Current>(0);
+    const Grad* grad = chunk.template data<Grad>(1);
+    float* state_sum = chunk.template data<float>(2);
+    Param* params = kMaster ? chunk.template data<Param>(3) : nullptr;
+
+    auto body = [&](auto group) {
+      using Group = decltype(group);
+      float p[Group::kCount][Group::kWidth];
+      float g[Group::kCount][Group::kWidth];
+      float h[Group::kCount][Group::kWidth];
+      group.load(p, current);
+      group.load(g, grad);
+      group.load(h, state_sum);
+#pragma unroll
+      for (int i = 0; i < Group::kCount; ++i) {
+#pragma unroll
+        for (int j = 0; j < Group::kWidth; ++j) {
+          float gj = g[i][j] * inv_grad_scale;
+          // Decay terms only when asked for: 0 * inf would turn an inf parameter's sum NaN.
+          if (l2_decay != 0.0f) gj += l2_decay * p[i][j];
+          const float hj = h[i][j] + gj * gj;
+          float update = gj / (__fsqrt_rn(hj) + eps);
+          if (decoupled_decay != 0.0f) update += decoupled_decay * p[i][j];
+          h[i][j] = hj;
+          p[i][j] -= lr * update;
+        }
+      }
+      group.store(state_sum, h);
+      group.store(current, p);
+      if constexpr (kMaster) group.store(params, p);
+    };
+    constexpr int kWidth = apex::vector_width<Param, Grad, float>();
+    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
+    if constexpr (kMaster) {
+      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, state_sum, params);
+    } else {
+      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, state_sum);
+    }
+  }
+};
+
+void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList state_sums,
+                        at::TensorList master_params, double lr, double eps, double weight_decay, bool adagrad_w_mode,
+                        const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf) {
+  namespace checks = apex::checks;
+  checks::positive_chunk_size(kOp, chunk_size);
+  checks::same_lengths(kOp, {{"params", params.size()}, {"grads", grads.size()}, {"state_sums", state_sums.size()}});
+  const auto device = apex_optimizers::check_common(
+      kOp, params, grads, {{"state_sums", state_sums}}, master_params,
+      {{"lr_tensor", lr_tensor}, {"grad_scale", grad_scale}, {"found_inf", found_inf}});
+  if (!device) return;
+
+  AdagradArgs args{};
+  args.scalars = apex_optimizers::device_scalars(lr_tensor, grad_scale, found_inf);
+  args.lr = static_cast<float>(lr);
+  args.eps = static_cast<float>(eps);
+  args.weight_decay = static_cast<float>(weight_decay);
+  args.adagrad_w_mode = adagrad_w_mode;
+
+  const c10::cuda::CUDAGuard device_guard(*device);
+  apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", kOp,
+                              [&](auto param_tag, auto grad_tag) {
+                                using Param = typename decltype(param_tag)::type;
+                                using Grad = typename decltype(grad_tag)::type;
+                                if (master_params.empty()) {
+                                  apex::multi_tensor_apply<3>(chunk_size, {params, grads, state_sums},
+                                                              AdagradFunctor<Param, Grad, false>{args});
+                                } else {
+                                  apex::multi_tensor_apply<4>(chunk_size, {master_params, grads, state_sums, params},
+                                                              AdagradFunctor<Param, Grad, true>{args});
+                                }
+                              });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
+  m.impl("fused_adagrad", &fused_adagrad_cuda);
+}
