@@ -114,7 +114,13 @@ def assert_follows_reference(param, expected, peak):
     units in the last place at the largest magnitude the element reached (one rounding flip where
     the fp32 and float64 updates straddle a boundary, carried along afterwards)."""
     if param.dtype == torch.float32:
-        torch.testing.assert_close(param.detach().double(), expected, **FP32_TOL)
+        # Each step moves every element by lr * ratio * u, computed in fp32 (the kernel with fast
+        # sqrt/division), so an element that ends near zero still carries the rounding of those
+        # updates: the absolute tolerance is relative to the tensor's scale, not the element's.
+        # (Seen on the H200: 1.5e-6 on a tensor of max magnitude ~3.5 after 20 steps.)
+        scale = float(expected.abs().max()) if expected.numel() else 0.0
+        atol = FP32_TOL["rtol"] * scale + FP32_TOL["atol"]
+        torch.testing.assert_close(param.detach().double(), expected, rtol=FP32_TOL["rtol"], atol=atol)
         return
     gap = (param.detach().double() - expected).abs()
     bound = 2 * torch.finfo(param.dtype).eps * peak + 1e-6
