@@ -78,6 +78,7 @@ def run(ours, theirs, params, twins, steps=STEPS, round_twins=False):
 
 # against torch.optim, fp32 -----------------------------------------------------------------
 
+
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
 def test_fp32_matches_torch(device, adam_w_mode, weight_decay):
@@ -104,8 +105,9 @@ def test_param_groups_keep_their_own_hyperparameters(device):
     group_a = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
     group_b = dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-8, weight_decay=0.0)
     ours = FusedAdam([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0, weight_decay=0.5)
-    theirs = torch.optim.AdamW([{"params": twins_first, **group_a}, {"params": twins_second, **group_b}],
-                               lr=1.0, weight_decay=0.5)
+    theirs = torch.optim.AdamW(
+        [{"params": twins_first, **group_a}, {"params": twins_second, **group_b}], lr=1.0, weight_decay=0.5
+    )
     run(ours, theirs, first + second, twins_first + twins_second)
     for p, t in zip(first + second, twins_first + twins_second):
         torch.testing.assert_close(p, t, **FP32_TOL)
@@ -175,6 +177,7 @@ def test_fp32_matches_float64_reference(device, bias_correction, adam_w_mode):
 
 # fp16 / bf16 -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("adam_w_mode", [True, False])
 def test_mixed_dtypes_in_one_group_follow_fp32_emulation(device, adam_w_mode):
     params = [p for dtype in (torch.float32, *REDUCED) for p in make_params(dtype, device)]
@@ -224,6 +227,7 @@ def test_master_weights_follow_fp32_adamw(device, dtype):
 
 
 # learning rate as a tensor, capturable ------------------------------------------------------
+
 
 def test_tensor_lr_equals_float_lr(device):
     params = make_params(torch.float32, device)
@@ -299,14 +303,15 @@ def test_capturable_step_replayed_in_cuda_graph_equals_eager(master_weights):
 
 # arguments ---------------------------------------------------------------------------------
 
+
 def test_amsgrad_raises():
     with pytest.raises(RuntimeError, match="AMSGrad"):
         FusedAdam([torch.nn.Parameter(torch.randn(3))], amsgrad=True)
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(lr=-1e-3), dict(eps=-1.0), dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.1)),
-               dict(weight_decay=-0.1)],
+    "kwargs",
+    [dict(lr=-1e-3), dict(eps=-1.0), dict(betas=(1.0, 0.999)), dict(betas=(0.9, -0.1)), dict(weight_decay=-0.1)],
 )
 def test_invalid_hyperparameters_raise(kwargs):
     with pytest.raises(ValueError, match="FusedAdam: invalid"):

@@ -25,8 +25,15 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 # the update by up to rounding/eps. The L2 cases take an eps that keeps this below the tolerance.
 L2_EPS = 1e-3
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging", "max_grad_norm")
-DEFAULTS = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01, bias_correction=True,
-                grad_averaging=True, max_grad_norm=1.0)
+DEFAULTS = dict(
+    lr=1e-2,
+    betas=(0.9, 0.999),
+    eps=1e-6,
+    weight_decay=0.01,
+    bias_correction=True,
+    grad_averaging=True,
+    max_grad_norm=1.0,
+)
 
 
 def make_params(dtype, device, shapes=SHAPES):
@@ -141,8 +148,7 @@ VARIANTS = {
     "nvlamb_without_weight_decay": dict(use_nvlamb=True, weight_decay=0.0),
     "no_weight_decay_no_trust_ratio": dict(weight_decay=0.0),
     "no_bias_correction": dict(bias_correction=False),
-    "l2_nvlamb_other_betas": dict(adam_w_mode=False, use_nvlamb=True, weight_decay=0.02, betas=(0.8, 0.9),
-                                  eps=L2_EPS),
+    "l2_nvlamb_other_betas": dict(adam_w_mode=False, use_nvlamb=True, weight_decay=0.02, betas=(0.8, 0.9), eps=L2_EPS),
 }
 
 
@@ -170,8 +176,15 @@ def test_fp32_matches_float64_reference(device, variant):
 
 def test_param_groups_keep_their_own_hyperparameters_and_share_the_global_norm(device):
     first, second = make_params(torch.float32, device, SHAPES[:4]), make_params(torch.float32, device, SHAPES[4:])
-    group_a = dict(lr=5e-3, betas=(0.8, 0.99), eps=1e-5, weight_decay=0.1, bias_correction=False,
-                   grad_averaging=False, max_grad_norm=2.0)
+    group_a = dict(
+        lr=5e-3,
+        betas=(0.8, 0.99),
+        eps=1e-5,
+        weight_decay=0.1,
+        bias_correction=False,
+        grad_averaging=False,
+        max_grad_norm=2.0,
+    )
     group_b = dict(lr=2e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, max_grad_norm=50.0)
     optimizer = FusedLAMB([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0, weight_decay=0.5)
     params = first + second
@@ -254,6 +267,7 @@ def test_invalid_hyperparameters_raise(kwargs):
 
 
 # FusedMixedPrecisionLamb -------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("start_step", [0, 10])
 def test_mixed_precision_lamb_masters_follow_float64_reference(device, start_step):

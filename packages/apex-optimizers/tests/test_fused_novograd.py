@@ -21,8 +21,9 @@ STEPS = 20
 REDUCED = [torch.float16, torch.bfloat16]
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging", "norm_type")
-DEFAULTS = dict(lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01, bias_correction=True,
-                grad_averaging=True, norm_type=2)
+DEFAULTS = dict(
+    lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01, bias_correction=True, grad_averaging=True, norm_type=2
+)
 
 
 def make_params(dtype, device, shapes=SHAPES):

@@ -199,8 +199,13 @@ def test_materialize_master_grads_is_accepted_and_changes_nothing():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(lr=-0.1), dict(lr=0.1, momentum=-0.5), dict(lr=0.1, weight_decay=-1.0),
-     dict(lr=0.1, nesterov=True), dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)],
+    [
+        dict(lr=-0.1),
+        dict(lr=0.1, momentum=-0.5),
+        dict(lr=0.1, weight_decay=-1.0),
+        dict(lr=0.1, nesterov=True),
+        dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True),
+    ],
 )
 def test_invalid_hyperparameters_raise(kwargs):
     with pytest.raises(ValueError, match="FusedSGD:"):

@@ -28,18 +28,19 @@ SHAPES = [(0,), (1,), (7,), (33, 5), (1000,)]
 
 OPTIMIZERS = {
     "FusedAdam": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, **kw),
-    "FusedAdam-master_weights": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01,
-                                                              master_weights=True, **kw),
-    "FusedAdam-capturable": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True,
-                                                          **kw),
+    "FusedAdam-master_weights": lambda params, **kw: FusedAdam(
+        params, lr=1e-2, weight_decay=0.01, master_weights=True, **kw
+    ),
+    "FusedAdam-capturable": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True, **kw),
     "FusedSGD": lambda params, **kw: FusedSGD(params, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
     "FusedSGD-nesterov": lambda params, **kw: FusedSGD(params, lr=0.05, momentum=0.9, nesterov=True, **kw),
     "FusedAdagrad": lambda params, **kw: FusedAdagrad(params, lr=0.05, weight_decay=1e-3, **kw),
     "FusedLAMB": lambda params, **kw: FusedLAMB(params, lr=1e-2, weight_decay=0.01, **kw),
     "FusedMixedPrecisionLamb": lambda params, **kw: FusedMixedPrecisionLamb(params, lr=1e-2, weight_decay=0.01, **kw),
     "FusedNovoGrad": lambda params, **kw: FusedNovoGrad(params, lr=1e-2, weight_decay=0.01, **kw),
-    "FusedNovoGrad-infinity_norm": lambda params, **kw: FusedNovoGrad(params, lr=1e-2, norm_type=0, init_zero=True,
-                                                                      **kw),
+    "FusedNovoGrad-infinity_norm": lambda params, **kw: FusedNovoGrad(
+        params, lr=1e-2, norm_type=0, init_zero=True, **kw
+    ),
 }
 NAMES = list(OPTIMIZERS)
 # Optimizers that do not count a step that a GradScaler skipped (FusedNovoGrad documents that it does).
@@ -51,7 +52,8 @@ UNCOUPLED = {"FusedLAMB": dict(max_grad_norm=0.0), "FusedMixedPrecisionLamb": di
 def make_params(device, dtypes=MIXED, shapes=SHAPES):
     return [
         torch.nn.Parameter(torch.randn(shape, dtype=torch.float64).to(dtype=dtype, device=device))
-        for dtype in dtypes for shape in shapes
+        for dtype in dtypes
+        for shape in shapes
     ]
 
 
@@ -88,6 +90,7 @@ def snapshot(optimizer, params):
 
 
 # dtypes and buckets ------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_dtypes_in_one_group_equal_one_optimizer_per_parameter(device, name):
@@ -149,10 +152,22 @@ def test_closure_is_evaluated_with_grad_enabled(device, name):
 # zero_grad ---------------------------------------------------------------------------------
 
 # upstream Apex's defaults: FusedSGD keeps zeroed gradients, the others drop them
-SET_GRAD_NONE_DEFAULT = {"FusedAdam": True, "FusedSGD": False, "FusedAdagrad": True, "FusedLAMB": True,
-                         "FusedMixedPrecisionLamb": True, "FusedNovoGrad": True}
-CLASSES = {"FusedAdam": FusedAdam, "FusedSGD": FusedSGD, "FusedAdagrad": FusedAdagrad, "FusedLAMB": FusedLAMB,
-           "FusedMixedPrecisionLamb": FusedMixedPrecisionLamb, "FusedNovoGrad": FusedNovoGrad}
+SET_GRAD_NONE_DEFAULT = {
+    "FusedAdam": True,
+    "FusedSGD": False,
+    "FusedAdagrad": True,
+    "FusedLAMB": True,
+    "FusedMixedPrecisionLamb": True,
+    "FusedNovoGrad": True,
+}
+CLASSES = {
+    "FusedAdam": FusedAdam,
+    "FusedSGD": FusedSGD,
+    "FusedAdagrad": FusedAdagrad,
+    "FusedLAMB": FusedLAMB,
+    "FusedMixedPrecisionLamb": FusedMixedPrecisionLamb,
+    "FusedNovoGrad": FusedNovoGrad,
+}
 
 
 def _with_grads(device):
@@ -192,6 +207,7 @@ def test_zero_grad_default_and_override(device, name):
 
 
 # state_dict --------------------------------------------------------------------------------
+
 
 class Model(torch.nn.Module):
     def __init__(self, device):
@@ -260,6 +276,7 @@ def test_state_dict_round_trip_resumes_bitwise(device, name):
 
 # bad input ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_sparse_gradients_are_refused(device, name):
     embedding = torch.nn.Embedding(10, 4, sparse=True).to(device)
@@ -288,6 +305,7 @@ def test_amsgrad_raises(cls):
 
 
 # torch.amp.GradScaler ----------------------------------------------------------------------
+
 
 def _scaler(device):
     return torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=1000)
@@ -390,6 +408,7 @@ def test_grad_scaler_unscale_then_clip_then_step(device, name):
 
 
 # several devices ---------------------------------------------------------------------------
+
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize("name", NAMES)

@@ -15,8 +15,13 @@ OPS = ["fused_adam", "fused_sgd", "fused_adagrad", "fused_lamb", "fused_novograd
 CHUNK = 64  # small, so that the 130-element tensors span several chunks
 SIZES = (3, 130)
 # the optimizer state list that each op keeps per parameter (all fp32)
-STATE_LIST = {"fused_adam": "exp_avgs", "fused_sgd": "momentum_buffers", "fused_adagrad": "state_sums",
-              "fused_lamb": "exp_avgs", "fused_novograd": "exp_avgs"}
+STATE_LIST = {
+    "fused_adam": "exp_avgs",
+    "fused_sgd": "momentum_buffers",
+    "fused_adagrad": "state_sums",
+    "fused_lamb": "exp_avgs",
+    "fused_novograd": "exp_avgs",
+}
 TAKES_STEP_TENSOR = {"fused_adam", "fused_lamb"}
 
 
@@ -39,26 +44,71 @@ def scalar(value, device):
 def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
     """Keyword arguments of a valid call of ``name``; ``extras`` adds the optional tensors."""
     params = make(dtype, device)
-    args = dict(chunk_size=CHUNK, params=params, grads=make(dtype, device),
-                master_params=[p.float() for p in params] if masters else [])
+    args = dict(
+        chunk_size=CHUNK,
+        params=params,
+        grads=make(dtype, device),
+        master_params=[p.float() for p in params] if masters else [],
+    )
     if name == "fused_adam":
-        args.update(exp_avgs=make(torch.float32, device, 0.1), exp_avg_sqs=positive(device), lr=1e-3, step=3,
-                    beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adam_w_mode=True, bias_correction=True)
+        args.update(
+            exp_avgs=make(torch.float32, device, 0.1),
+            exp_avg_sqs=positive(device),
+            lr=1e-3,
+            step=3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.01,
+            adam_w_mode=True,
+            bias_correction=True,
+        )
     elif name == "fused_sgd":
-        args.update(momentum_buffers=make(torch.float32, device), lr=0.1, weight_decay=0.01, momentum=0.9,
-                    dampening=0.0, nesterov=True, first_run=False, wd_after_momentum=False)
+        args.update(
+            momentum_buffers=make(torch.float32, device),
+            lr=0.1,
+            weight_decay=0.01,
+            momentum=0.9,
+            dampening=0.0,
+            nesterov=True,
+            first_run=False,
+            wd_after_momentum=False,
+        )
     elif name == "fused_adagrad":
         args.update(state_sums=positive(device), lr=0.1, eps=1e-10, weight_decay=0.01, adagrad_w_mode=False)
     elif name == "fused_lamb":
-        args.update(exp_avgs=make(torch.float32, device, 0.1), exp_avg_sqs=positive(device),
-                    global_grad_norm=scalar(5.0, device), lr=1e-3, step=3, beta1=0.9, beta2=0.999, eps=1e-6,
-                    weight_decay=0.01, adam_w_mode=True, bias_correction=True, grad_averaging=True,
-                    max_grad_norm=1.0, use_nvlamb=False)
+        args.update(
+            exp_avgs=make(torch.float32, device, 0.1),
+            exp_avg_sqs=positive(device),
+            global_grad_norm=scalar(5.0, device),
+            lr=1e-3,
+            step=3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            adam_w_mode=True,
+            bias_correction=True,
+            grad_averaging=True,
+            max_grad_norm=1.0,
+            use_nvlamb=False,
+        )
     elif name == "fused_novograd":
-        args.update(exp_avgs=make(torch.float32, device, 0.1), exp_avg_sq_norms=torch.rand(len(SIZES), device=device),
-                    grad_norms=torch.stack([g.float().norm() for g in args["grads"]]), lr=1e-3, step=3,
-                    beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.01, bias_correction=True,
-                    grad_averaging=True, reg_inside_moment=False, init_zero=False)
+        args.update(
+            exp_avgs=make(torch.float32, device, 0.1),
+            exp_avg_sq_norms=torch.rand(len(SIZES), device=device),
+            grad_norms=torch.stack([g.float().norm() for g in args["grads"]]),
+            lr=1e-3,
+            step=3,
+            beta1=0.95,
+            beta2=0.98,
+            eps=1e-8,
+            weight_decay=0.01,
+            bias_correction=True,
+            grad_averaging=True,
+            reg_inside_moment=False,
+            init_zero=False,
+        )
     if extras:
         args.update(lr_tensor=scalar(2e-3, device), grad_scale=scalar(4.0, device), found_inf=scalar(0.0, device))
         if name in TAKES_STEP_TENSOR:
@@ -95,17 +145,22 @@ def test_call_updates_params_and_masters(device, name):
 def test_found_inf_writes_nothing(device, name):
     args = inputs(name, device, dtype=torch.float16, masters=True, extras=True)
     args["found_inf"] = scalar(1.0, device)
-    mutable = {k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
-               for k, v in args.items() if isinstance(v, (list, torch.Tensor)) and k != "grads"}
+    mutable = {
+        k: [t.clone() for t in v] if isinstance(v, list) else v.clone()
+        for k, v in args.items()
+        if isinstance(v, (list, torch.Tensor)) and k != "grads"
+    }
     op(name)(**args)
     for key, saved in mutable.items():
         current = args[key]
-        for a, b in zip(current if isinstance(current, list) else [current],
-                        saved if isinstance(saved, list) else [saved]):
+        for a, b in zip(
+            current if isinstance(current, list) else [current], saved if isinstance(saved, list) else [saved]
+        ):
             assert torch.equal(a, b), f"{key} written despite found_inf"
 
 
 # torch.compile -----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_torch_compile_fullgraph(device):
@@ -113,18 +168,37 @@ def test_torch_compile_fullgraph(device):
         for _ in range(2):
             step.add_(1.0)
             torch.ops.apex_optimizers.fused_adam(
-                CHUNK, params, grads, exp_avgs, exp_avg_sqs, masters, 0.0, 0, 0.9, 0.999, 1e-8, 0.01, True, True,
-                lr, step, scale, None,
+                CHUNK,
+                params,
+                grads,
+                exp_avgs,
+                exp_avg_sqs,
+                masters,
+                0.0,
+                0,
+                0.9,
+                0.999,
+                1e-8,
+                0.01,
+                True,
+                True,
+                lr,
+                step,
+                scale,
+                None,
             )
         return step * 1.0
 
     def fresh():
         params = make(torch.float16, device, sizes=(1, 7, 130, 1000))
         return dict(
-            params=params, grads=make(torch.float16, device, 1024.0, sizes=(1, 7, 130, 1000)),
+            params=params,
+            grads=make(torch.float16, device, 1024.0, sizes=(1, 7, 130, 1000)),
             exp_avgs=[torch.zeros(p.numel(), device=device) for p in params],
             exp_avg_sqs=[torch.zeros(p.numel(), device=device) for p in params],
-            masters=[p.float() for p in params], step=scalar(0.0, device), lr=scalar(1e-2, device),
+            masters=[p.float() for p in params],
+            step=scalar(0.0, device),
+            lr=scalar(1e-2, device),
             scale=scalar(1024.0, device),
         )
 
@@ -145,6 +219,7 @@ def test_torch_compile_fullgraph(device):
 
 
 # bad input ---------------------------------------------------------------------------------
+
 
 def _assert_raises_and_writes_nothing(name, args, error, pattern):
     before = [p.clone() for p in args["params"]]
@@ -195,8 +270,9 @@ def test_fp16_master_params_are_refused(device, name):
 def test_mixed_dtypes_within_a_list_are_refused(device, name):
     args = inputs(name, device)
     args["grads"][1] = args["grads"][1].half()
-    _assert_raises_and_writes_nothing(name, args, TypeError,
-                                      r"grads\[1\] has dtype torch.float16 but grads\[0\] has torch.float32")
+    _assert_raises_and_writes_nothing(
+        name, args, TypeError, r"grads\[1\] has dtype torch.float16 but grads\[0\] has torch.float32"
+    )
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -212,8 +288,12 @@ def test_non_contiguous_params_are_refused(device, name):
 
 @pytest.mark.parametrize(
     ("name", "optional"),
-    [(name, optional) for name in OPS for optional in ("lr_tensor", "grad_scale", "found_inf", "step_tensor")
-     if optional != "step_tensor" or name in TAKES_STEP_TENSOR],
+    [
+        (name, optional)
+        for name in OPS
+        for optional in ("lr_tensor", "grad_scale", "found_inf", "step_tensor")
+        if optional != "step_tensor" or name in TAKES_STEP_TENSOR
+    ],
 )
 def test_optional_tensors_must_be_fp32_scalars(device, name, optional):
     args = inputs(name, device, extras=True)

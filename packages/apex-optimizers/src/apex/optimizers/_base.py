@@ -30,8 +30,9 @@ class FusedOptimizer(torch.optim.Optimizer):
     chunk_size = DEFAULT_CHUNK_SIZE
     initial_step = 0
 
-    def __init__(self, params, defaults: dict, set_grad_none: bool, capturable: bool = False,
-                 master_weights: bool = False):
+    def __init__(
+        self, params, defaults: dict, set_grad_none: bool, capturable: bool = False, master_weights: bool = False
+    ):
         self.set_grad_none = set_grad_none
         self.capturable = capturable
         self.master_weights = master_weights
@@ -107,8 +108,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             on_device = self.capturable and p.device.type != "cpu"
-            state["step"] = torch.full((), float(self.initial_step), dtype=torch.float32,
-                                       device=p.device if on_device else "cpu")
+            state["step"] = torch.full(
+                (), float(self.initial_step), dtype=torch.float32, device=p.device if on_device else "cpu"
+            )
             for name in names:
                 state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             if self.master_weights and p.dtype in _REDUCED:
@@ -160,6 +162,7 @@ class _ScalerInputs:
 
     def on(self, device: torch.device):
         if device not in self._cache:
+
             def move(t):
                 return None if t is None else t.to(device=device, dtype=torch.float32, non_blocking=True).reshape(1)
 

@@ -28,6 +28,7 @@ FP32 = (torch.float32,)
 
 # shared checks and helpers ----------------------------------------------------------------
 
+
 def _check_common(op, params, grads, states: dict, master_params, optional: dict):
     lists = {"params": params, "grads": grads, **states}
     checks.same_lengths(op, **lists)
@@ -102,21 +103,79 @@ ADAM_SCHEMA = (
 )
 
 
-def _check_adam(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, lr, step, beta1, beta2, eps,
-                weight_decay, adam_w_mode, bias_correction, lr_tensor=None, step_tensor=None, grad_scale=None,
-                found_inf=None):
+def _check_adam(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    lr_tensor=None,
+    step_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
     checks.positive_chunk_size("fused_adam", chunk_size)
-    _check_common("fused_adam", params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, master_params,
-                  _optional(lr_tensor, step_tensor, grad_scale, found_inf))
+    _check_common(
+        "fused_adam",
+        params,
+        grads,
+        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        master_params,
+        _optional(lr_tensor, step_tensor, grad_scale, found_inf),
+    )
     if step_tensor is None and step < 1 and bias_correction:
         raise ValueError(f"fused_adam: step must be >= 1 with bias_correction, got {step}")
 
 
-def _adam_reference(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, lr, step, beta1, beta2, eps,
-                    weight_decay, adam_w_mode, bias_correction, lr_tensor=None, step_tensor=None, grad_scale=None,
-                    found_inf=None):
-    _check_adam(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, lr, step, beta1, beta2, eps,
-                weight_decay, adam_w_mode, bias_correction, lr_tensor, step_tensor, grad_scale, found_inf)
+def _adam_reference(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    lr_tensor=None,
+    step_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
+    _check_adam(
+        chunk_size,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        master_params,
+        lr,
+        step,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adam_w_mode,
+        bias_correction,
+        lr_tensor,
+        step_tensor,
+        grad_scale,
+        found_inf,
+    )
     lr_value, step_value = _lr_step(lr, step, lr_tensor, step_tensor)
     bc1, bc2 = _bias_corrections(beta1, beta2, step_value, bias_correction)
     skip = _skip(found_inf)
@@ -150,8 +209,23 @@ SGD_SCHEMA = (
 )
 
 
-def _check_sgd(chunk_size, params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening,
-               nesterov, first_run, wd_after_momentum, lr_tensor=None, grad_scale=None, found_inf=None):
+def _check_sgd(
+    chunk_size,
+    params,
+    grads,
+    momentum_buffers,
+    master_params,
+    lr,
+    weight_decay,
+    momentum,
+    dampening,
+    nesterov,
+    first_run,
+    wd_after_momentum,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
     op = "fused_sgd"
     checks.positive_chunk_size(op, chunk_size)
     states = {"momentum_buffers": momentum_buffers} if momentum != 0 else {}
@@ -162,11 +236,40 @@ def _check_sgd(chunk_size, params, grads, momentum_buffers, master_params, lr, w
         raise ValueError(f"{op}: nesterov needs momentum > 0 and dampening 0")
 
 
-def _sgd_reference(chunk_size, params, grads, momentum_buffers, master_params, lr, weight_decay, momentum,
-                   dampening, nesterov, first_run, wd_after_momentum, lr_tensor=None, grad_scale=None,
-                   found_inf=None):
-    _check_sgd(chunk_size, params, grads, momentum_buffers, master_params, lr, weight_decay, momentum, dampening,
-               nesterov, first_run, wd_after_momentum, lr_tensor, grad_scale, found_inf)
+def _sgd_reference(
+    chunk_size,
+    params,
+    grads,
+    momentum_buffers,
+    master_params,
+    lr,
+    weight_decay,
+    momentum,
+    dampening,
+    nesterov,
+    first_run,
+    wd_after_momentum,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
+    _check_sgd(
+        chunk_size,
+        params,
+        grads,
+        momentum_buffers,
+        master_params,
+        lr,
+        weight_decay,
+        momentum,
+        dampening,
+        nesterov,
+        first_run,
+        wd_after_momentum,
+        lr_tensor,
+        grad_scale,
+        found_inf,
+    )
     lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
     skip = _skip(found_inf)
     for i in range(len(params)):
@@ -195,17 +298,59 @@ ADAGRAD_SCHEMA = (
 )
 
 
-def _check_adagrad(chunk_size, params, grads, state_sums, master_params, lr, eps, weight_decay, adagrad_w_mode,
-                   lr_tensor=None, grad_scale=None, found_inf=None):
+def _check_adagrad(
+    chunk_size,
+    params,
+    grads,
+    state_sums,
+    master_params,
+    lr,
+    eps,
+    weight_decay,
+    adagrad_w_mode,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
     checks.positive_chunk_size("fused_adagrad", chunk_size)
-    _check_common("fused_adagrad", params, grads, {"state_sums": state_sums}, master_params,
-                  _optional(lr_tensor, None, grad_scale, found_inf))
+    _check_common(
+        "fused_adagrad",
+        params,
+        grads,
+        {"state_sums": state_sums},
+        master_params,
+        _optional(lr_tensor, None, grad_scale, found_inf),
+    )
 
 
-def _adagrad_reference(chunk_size, params, grads, state_sums, master_params, lr, eps, weight_decay, adagrad_w_mode,
-                       lr_tensor=None, grad_scale=None, found_inf=None):
-    _check_adagrad(chunk_size, params, grads, state_sums, master_params, lr, eps, weight_decay, adagrad_w_mode,
-                   lr_tensor, grad_scale, found_inf)
+def _adagrad_reference(
+    chunk_size,
+    params,
+    grads,
+    state_sums,
+    master_params,
+    lr,
+    eps,
+    weight_decay,
+    adagrad_w_mode,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
+    _check_adagrad(
+        chunk_size,
+        params,
+        grads,
+        state_sums,
+        master_params,
+        lr,
+        eps,
+        weight_decay,
+        adagrad_w_mode,
+        lr_tensor,
+        grad_scale,
+        found_inf,
+    )
     lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
     skip = _skip(found_inf)
     for i in range(len(params)):
@@ -235,13 +380,40 @@ LAMB_SCHEMA = (
 )
 
 
-def _check_lamb(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, global_grad_norm, lr, step, beta1,
-                beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb,
-                lr_tensor=None, step_tensor=None, grad_scale=None, found_inf=None):
+def _check_lamb(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    global_grad_norm,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    lr_tensor=None,
+    step_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
     op = "fused_lamb"
     checks.positive_chunk_size(op, chunk_size)
-    device = _check_common(op, params, grads, {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}, master_params,
-                           _optional(lr_tensor, step_tensor, grad_scale, found_inf))
+    device = _check_common(
+        op,
+        params,
+        grads,
+        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
+        master_params,
+        _optional(lr_tensor, step_tensor, grad_scale, found_inf),
+    )
     if params:
         checks.scalar_tensor(op, "global_grad_norm", global_grad_norm, FP32, device)
 
@@ -254,12 +426,54 @@ def lamb_clip_ratio(global_grad_norm, max_grad_norm):
     return torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
 
 
-def _lamb_reference(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, global_grad_norm, lr, step,
-                    beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm,
-                    use_nvlamb, lr_tensor=None, step_tensor=None, grad_scale=None, found_inf=None):
-    _check_lamb(chunk_size, params, grads, exp_avgs, exp_avg_sqs, master_params, global_grad_norm, lr, step, beta1,
-                beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb,
-                lr_tensor, step_tensor, grad_scale, found_inf)
+def _lamb_reference(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    master_params,
+    global_grad_norm,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    lr_tensor=None,
+    step_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
+    _check_lamb(
+        chunk_size,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        master_params,
+        global_grad_norm,
+        lr,
+        step,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        adam_w_mode,
+        bias_correction,
+        grad_averaging,
+        max_grad_norm,
+        use_nvlamb,
+        lr_tensor,
+        step_tensor,
+        grad_scale,
+        found_inf,
+    )
     if not params:
         return
     lr_value, step_value = _lr_step(lr, step, lr_tensor, step_tensor)
@@ -301,29 +515,89 @@ NOVOGRAD_SCHEMA = (
 )
 
 
-def _check_novograd(chunk_size, params, grads, exp_avgs, exp_avg_sq_norms, grad_norms, master_params, lr, step,
-                    beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment, init_zero,
-                    lr_tensor=None, grad_scale=None, found_inf=None):
+def _check_novograd(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sq_norms,
+    grad_norms,
+    master_params,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bias_correction,
+    grad_averaging,
+    reg_inside_moment,
+    init_zero,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
     op = "fused_novograd"
     checks.positive_chunk_size(op, chunk_size)
-    device = _check_common(op, params, grads, {"exp_avgs": exp_avgs}, master_params,
-                           _optional(lr_tensor, None, grad_scale, found_inf))
+    device = _check_common(
+        op, params, grads, {"exp_avgs": exp_avgs}, master_params, _optional(lr_tensor, None, grad_scale, found_inf)
+    )
     for name, t in (("exp_avg_sq_norms", exp_avg_sq_norms), ("grad_norms", grad_norms)):
         if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != len(params):
-            raise ValueError(f"{op}: {name} must be a 1-D float32 tensor of {len(params)} elements (one per "
-                             f"tensor), got {t.dtype} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{op}: {name} must be a 1-D float32 tensor of {len(params)} elements (one per "
+                f"tensor), got {t.dtype} of shape {tuple(t.shape)}"
+            )
         if params and t.device != device:
             raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
     if step < 1:
         raise ValueError(f"{op}: step must be >= 1, got {step}")
 
 
-def _novograd_reference(chunk_size, params, grads, exp_avgs, exp_avg_sq_norms, grad_norms, master_params, lr, step,
-                        beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment,
-                        init_zero, lr_tensor=None, grad_scale=None, found_inf=None):
-    _check_novograd(chunk_size, params, grads, exp_avgs, exp_avg_sq_norms, grad_norms, master_params, lr, step,
-                    beta1, beta2, eps, weight_decay, bias_correction, grad_averaging, reg_inside_moment, init_zero,
-                    lr_tensor, grad_scale, found_inf)
+def _novograd_reference(
+    chunk_size,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sq_norms,
+    grad_norms,
+    master_params,
+    lr,
+    step,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bias_correction,
+    grad_averaging,
+    reg_inside_moment,
+    init_zero,
+    lr_tensor=None,
+    grad_scale=None,
+    found_inf=None,
+):
+    _check_novograd(
+        chunk_size,
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sq_norms,
+        grad_norms,
+        master_params,
+        lr,
+        step,
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+        bias_correction,
+        grad_averaging,
+        reg_inside_moment,
+        init_zero,
+        lr_tensor,
+        grad_scale,
+        found_inf,
+    )
     if not params:
         return
     lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr

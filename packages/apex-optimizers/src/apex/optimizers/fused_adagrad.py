@@ -44,6 +44,16 @@ class FusedAdagrad(FusedOptimizer):
             states = [self._state(p, "sum") for p in params]
             self._advance(states, device, found_inf)
             _ops.fused_adagrad(
-                self.chunk_size, params, grads_of(params), [s["sum"] for s in states], [], host_lr, group["eps"],
-                group["weight_decay"], self.adagrad_w_mode, lr_tensor, grad_scale, found_inf,
+                self.chunk_size,
+                params,
+                grads_of(params),
+                [s["sum"] for s in states],
+                [],
+                host_lr,
+                group["eps"],
+                group["weight_decay"],
+                self.adagrad_w_mode,
+                lr_tensor,
+                grad_scale,
+                found_inf,
             )

@@ -38,8 +38,20 @@ class FusedAdam(FusedOptimizer):
             update them, and write the rounded result to the parameters in the same kernel.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=True,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
         if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
@@ -62,9 +74,22 @@ class FusedAdam(FusedOptimizer):
             grad_scale, found_inf = scaler.on(device)
             step, step_tensor = self._advance(states, device, found_inf)
             _ops.fused_adam(
-                self.chunk_size, params, grads_of(params),
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                self.chunk_size,
+                params,
+                grads_of(params),
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
                 self._masters(params, states, has_master),
-                host_lr, step, beta1, beta2, group["eps"], group["weight_decay"], self.adam_w_mode,
-                group["bias_correction"], lr_tensor, step_tensor, grad_scale, found_inf,
+                host_lr,
+                step,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                self.adam_w_mode,
+                group["bias_correction"],
+                lr_tensor,
+                step_tensor,
+                grad_scale,
+                found_inf,
             )

@@ -39,17 +39,39 @@ class FusedLAMB(FusedOptimizer):
         use_nvlamb: apply the trust ratio also to parameters without weight decay.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                 amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
-                 use_nvlamb=False, *, capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        amsgrad=False,
+        adam_w_mode=True,
+        grad_averaging=True,
+        set_grad_none=True,
+        max_grad_norm=1.0,
+        use_nvlamb=False,
+        *,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad:
             raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant (amsgrad=True)")
         if not isinstance(lr, torch.Tensor) and lr < 0.0:
             raise ValueError(f"{type(self).__name__}: invalid learning rate lr={lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"{type(self).__name__}: invalid betas={betas}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
         self.adam_w_mode = adam_w_mode
         self.use_nvlamb = use_nvlamb
         self._global_norm: torch.Tensor | None = None
@@ -67,7 +89,8 @@ class FusedLAMB(FusedOptimizer):
                     norm, _ = torch.ops.apex_core.multi_tensor_l2norm(self.chunk_size, noop, grads_of(params), False)
                 else:
                     norm, _ = torch.ops.apex_core.multi_tensor_unscale_l2norm(
-                        self.chunk_size, noop, grads_of(params), [], 1.0 / grad_scale, False)
+                        self.chunk_size, noop, grads_of(params), [], 1.0 / grad_scale, False
+                    )
                 squares.append(norm.to(home, non_blocking=True).square())
         self._global_norm = torch.stack(squares).sum().sqrt().reshape(1) if squares else None
 
@@ -79,10 +102,26 @@ class FusedLAMB(FusedOptimizer):
             states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
             step, step_tensor = self._advance(states, device, found_inf)
             _ops.fused_lamb(
-                self.chunk_size, params, grads_of(params),
-                [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                self._masters(params, states, has_master), self._global_norm.to(device, non_blocking=True),
-                host_lr, step, beta1, beta2, group["eps"], group["weight_decay"], self.adam_w_mode,
-                group["bias_correction"], group["grad_averaging"], group["max_grad_norm"], self.use_nvlamb,
-                lr_tensor, step_tensor, grad_scale, found_inf,
+                self.chunk_size,
+                params,
+                grads_of(params),
+                [s["exp_avg"] for s in states],
+                [s["exp_avg_sq"] for s in states],
+                self._masters(params, states, has_master),
+                self._global_norm.to(device, non_blocking=True),
+                host_lr,
+                step,
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                self.adam_w_mode,
+                group["bias_correction"],
+                group["grad_averaging"],
+                group["max_grad_norm"],
+                self.use_nvlamb,
+                lr_tensor,
+                step_tensor,
+                grad_scale,
+                found_inf,
             )

@@ -22,14 +22,39 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         reduced_precision_dtype: if given, every non-fp32 parameter must have this dtype.
     """
 
-    def __init__(self, params, lr=1e-3, step=0, bias_correction=True, betas=(0.9, 0.999), eps=1e-6,
-                 weight_decay=0.01, amsgrad=False, adam_w_mode=True, grad_averaging=True, max_grad_norm=1.0,
-                 use_nvlamb=False, reduced_precision_dtype=None):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        step=0,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        amsgrad=False,
+        adam_w_mode=True,
+        grad_averaging=True,
+        max_grad_norm=1.0,
+        use_nvlamb=False,
+        reduced_precision_dtype=None,
+    ):
         self.initial_step = int(step)
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                         weight_decay=weight_decay, amsgrad=amsgrad, adam_w_mode=adam_w_mode,
-                         grad_averaging=grad_averaging, set_grad_none=True, max_grad_norm=max_grad_norm,
-                         use_nvlamb=use_nvlamb, capturable=True, master_weights=True)
+        super().__init__(
+            params,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            adam_w_mode=adam_w_mode,
+            grad_averaging=grad_averaging,
+            set_grad_none=True,
+            max_grad_norm=max_grad_norm,
+            use_nvlamb=use_nvlamb,
+            capturable=True,
+            master_weights=True,
+        )
         self.reduced_precision_dtype = reduced_precision_dtype
         for group in self.param_groups:
             device = group["params"][0].device if group["params"] else torch.device("cpu")

@@ -37,15 +37,34 @@ class FusedNovoGrad(FusedOptimizer):
     Steps are counted on the host (a step that a GradScaler skips is still counted).
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                 amsgrad=False, reg_inside_moment=False, grad_averaging=True, norm_type=2, init_zero=False,
-                 set_grad_none=True):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        reg_inside_moment=False,
+        grad_averaging=True,
+        norm_type=2,
+        init_zero=False,
+        set_grad_none=True,
+    ):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True)")
         if norm_type not in (0, 2):
             raise ValueError(f"FusedNovoGrad: norm_type must be 2 (L2) or 0 (infinity), got {norm_type}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        grad_averaging=grad_averaging, norm_type=norm_type)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+        )
         self.reg_inside_moment = reg_inside_moment
         self.init_zero = init_zero
         super().__init__(params, defaults, set_grad_none)
@@ -57,7 +76,8 @@ class FusedNovoGrad(FusedOptimizer):
                 _, norms = torch.ops.apex_core.multi_tensor_l2norm(self.chunk_size, noop, grads, True)
             else:
                 _, norms = torch.ops.apex_core.multi_tensor_unscale_l2norm(
-                    self.chunk_size, noop, grads, [], 1.0 / grad_scale, True)
+                    self.chunk_size, noop, grads, [], 1.0 / grad_scale, True
+                )
             return norms
         # torch refuses the infinity norm of an empty tensor; like its L2 norm, it is 0 here
         filled = [g for g in grads if g.numel()]
@@ -79,9 +99,25 @@ class FusedNovoGrad(FusedOptimizer):
             grads = grads_of(params)
             second_moments = torch.stack([s["exp_avg_sq"] for s in states])
             _ops.fused_novograd(
-                self.chunk_size, params, grads, [s["exp_avg"] for s in states], second_moments,
-                self._grad_norms(grads, group["norm_type"], grad_scale, device), [], host_lr,
-                int(steps[0].item()), beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"],
-                group["grad_averaging"], self.reg_inside_moment, self.init_zero, lr_tensor, grad_scale, found_inf,
+                self.chunk_size,
+                params,
+                grads,
+                [s["exp_avg"] for s in states],
+                second_moments,
+                self._grad_norms(grads, group["norm_type"], grad_scale, device),
+                [],
+                host_lr,
+                int(steps[0].item()),
+                beta1,
+                beta2,
+                group["eps"],
+                group["weight_decay"],
+                group["bias_correction"],
+                group["grad_averaging"],
+                self.reg_inside_moment,
+                self.init_zero,
+                lr_tensor,
+                grad_scale,
+                found_inf,
             )
             torch._foreach_copy_([s["exp_avg_sq"] for s in states], list(second_moments.unbind()))

@@ -33,8 +33,18 @@ class FusedSGD(FusedOptimizer):
         set_grad_none: ``zero_grad()`` sets gradients to None by default.
     """
 
-    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False):
+    def __init__(
+        self,
+        params,
+        lr,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        wd_after_momentum=False,
+        materialize_master_grads=True,
+        set_grad_none=False,
+    ):
         if lr is None or (not hasattr(lr, "shape") and lr < 0.0):
             raise ValueError(f"FusedSGD: invalid learning rate lr={lr}")
         if momentum < 0.0:
@@ -65,7 +75,19 @@ class FusedSGD(FusedOptimizer):
                     continue
                 buffers = [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else []
                 _ops.fused_sgd(
-                    self.chunk_size, subset, grads_of(subset), buffers, [], host_lr, group["weight_decay"],
-                    momentum, group["dampening"], group["nesterov"], first_run, self.wd_after_momentum,
-                    lr_tensor, grad_scale, found_inf,
+                    self.chunk_size,
+                    subset,
+                    grads_of(subset),
+                    buffers,
+                    [],
+                    host_lr,
+                    group["weight_decay"],
+                    momentum,
+                    group["dampening"],
+                    group["nesterov"],
+                    first_run,
+                    self.wd_after_momentum,
+                    lr_tensor,
+                    grad_scale,
+                    found_inf,
                 )
