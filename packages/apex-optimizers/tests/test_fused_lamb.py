@@ -354,3 +354,15 @@ def test_mixed_precision_lamb_step_replayed_in_cuda_graph_equals_eager():
         else:
             torch.testing.assert_close(p, t, **FP32_TOL)
     assert float(graphed.state[params[0]]["step"]) == len(history)
+
+
+def test_mixed_precision_lamb_add_param_group_gets_a_device_lr(device):
+    first = [torch.randn(8, device=device).to(torch.bfloat16).requires_grad_()]
+    optimizer = FusedMixedPrecisionLamb(first, lr=1e-3, reduced_precision_dtype=torch.bfloat16)
+    second = [torch.randn(5, device=device).to(torch.bfloat16).requires_grad_()]
+    optimizer.add_param_group({"params": second, "lr": 2e-3})
+    lr = optimizer.param_groups[-1]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and lr.device.type == device
+    assert lr.item() == pytest.approx(2e-3)
+    with pytest.raises(TypeError, match=r"reduced_precision_dtype=torch\.bfloat16"):
+        optimizer.add_param_group({"params": [torch.randn(3, device=device, dtype=torch.float16)]})

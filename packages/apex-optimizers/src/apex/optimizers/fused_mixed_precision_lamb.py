@@ -57,12 +57,24 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         )
         self.reduced_precision_dtype = reduced_precision_dtype
         for group in self.param_groups:
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor([float(group["lr"])], dtype=torch.float32, device=device)
-            for p in group["params"]:
-                if reduced_precision_dtype is not None and p.dtype not in (torch.float32, reduced_precision_dtype):
-                    raise TypeError(
-                        f"FusedMixedPrecisionLamb: parameter of dtype {p.dtype}; expected float32 or "
-                        f"reduced_precision_dtype={reduced_precision_dtype}"
-                    )
+            self._prepare_group(group)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "reduced_precision_dtype"):  # not while the base class adds the first groups
+            self._prepare_group(self.param_groups[-1])
+
+    def _prepare_group(self, group: dict) -> None:
+        """A device tensor lr, and parameters of fp32 or the reduced-precision dtype only."""
+        device = group["params"][0].device if group["params"] else torch.device("cpu")
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor([float(group["lr"])], dtype=torch.float32, device=device)
+        for p in group["params"]:
+            if self.reduced_precision_dtype is not None and p.dtype not in (
+                torch.float32,
+                self.reduced_precision_dtype,
+            ):
+                raise TypeError(
+                    f"FusedMixedPrecisionLamb: parameter of dtype {p.dtype}; expected float32 or "
+                    f"reduced_precision_dtype={self.reduced_precision_dtype}"
+                )
