@@ -136,6 +136,8 @@ def wheels(session: nox.Session) -> None:
             str(folder),
             env={"APEX_BUILD_OPS": "0"},
         )
+        # kernel packages' setup.py imports apex.core.build: each wheel is installed before the next builds
+        session.install("--no-deps", "--no-index", "--find-links", str(WHEELHOUSE), project(folder)["name"])
     versions = {wheel.name: _check_wheel(session, wheel) for wheel in sorted(WHEELHOUSE.glob("*.whl"))}
     if len(set(versions.values())) != 1:
         session.error(f"wheel versions are not in lockstep: {versions}")
