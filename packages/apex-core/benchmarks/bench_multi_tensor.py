@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from apex.core.benchmarking import copies_for_l2, copy_bandwidth_gbps, markdown_table, nbytes, require_kernels, time_ms
 
 CHUNK_SIZE = 65536
 
@@ -58,15 +58,6 @@ class Row:
 HEADER = ["case", "dtype", "tensors", "params", "ours ms", "torch ms", "speedup", "ours GB/s", "% of copy"]
 
 
-def load_kernels() -> None:
-    import apex.core._ops  # noqa: F401  (defines the op schemas)
-    from apex.core import loader
-    from apex.core._plugin import KERNELS
-
-    status = loader.load(KERNELS)
-    assert status.has_kernels, status.reason
-
-
 def gpt_shapes(layers: int = 24, hidden: int = 1024, vocab: int = 50257, context: int = 1024) -> list[tuple]:
     """GPT-2 medium: token and position embeddings, 12 tensors per layer, final layer norm."""
     shapes: list[tuple] = [(vocab, hidden), (context, hidden)]
@@ -89,44 +80,6 @@ def small_shapes(count: int = 2000, seed: int = 0) -> list[tuple]:
 
 def make_list(shapes, dtype, device) -> list[torch.Tensor]:
     return [torch.randn(s, dtype=dtype, device=device) for s in shapes]
-
-
-def copies_for_l2(list_bytes: int) -> int:
-    """How many copies of the data a sample cycles through so that it outgrows L2 twice over."""
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    l2 = getattr(props, "L2_cache_size", 64 << 20) or (64 << 20)
-    return max(1, math.ceil(2 * l2 / max(list_bytes, 1)))
-
-
-def time_ms(calls: list[Callable[[], object]], samples: int, min_calls: int = 20) -> float:
-    """Median per-call GPU time of back-to-back runs through `calls` (one per data copy)."""
-    rounds = max(1, math.ceil(min_calls / len(calls)))
-    for call in calls:  # warm-up: caching allocator, lazy init
-        call()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU work while the host queues the sample
-        start.record()
-        for _ in range(rounds):
-            for call in calls:
-                call()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / (rounds * len(calls)))
-    return statistics.median(per_call)
-
-
-def copy_bandwidth_gbps(samples: int) -> float:
-    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms([lambda: dst.copy_(src)], samples, min_calls=5)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
-
-
-def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def bench_workload(name: str, shapes, dtype, samples: int, check: bool) -> list[Row]:
@@ -152,8 +105,8 @@ def bench_workload(name: str, shapes, dtype, samples: int, check: bool) -> list[
     def run(case, torch_op, ours, native, moved, compare=None):
         if check and compare is not None:
             compare()
-        ours_ms = time_ms([lambda d=d: ours(*d) for d in data], samples)
-        torch_ms = time_ms([lambda d=d: native(*d) for d in data], samples)
+        ours_ms = time_ms([lambda d=d: ours(*d) for d in data], samples, min_calls=20, warmup=1)
+        torch_ms = time_ms([lambda d=d: native(*d) for d in data], samples, min_calls=20, warmup=1)
         rows.append(Row(f"{name}: {case}", torch_op, label, len(shapes), n_params, ours_ms, torch_ms, moved))
 
     def close(actual, expected):
@@ -234,10 +187,8 @@ def bench_workload(name: str, shapes, dtype, samples: int, check: bool) -> list[
 
 
 def markdown(rows: list[Row], copy_gbps: float, header_lines: list[str]) -> str:
-    lines = [*header_lines, "", "| " + " | ".join(HEADER) + " | torch op |", "|" + "---|" * (len(HEADER) + 1)]
-    for row in rows:
-        lines.append("| " + " | ".join(row.cells(copy_gbps)) + f" | `{row.torch_op}` |")
-    return "\n".join(lines) + "\n"
+    table = markdown_table([*HEADER, "torch op"], [[*row.cells(copy_gbps), f"`{row.torch_op}`"] for row in rows])
+    return "\n".join([*header_lines, "", *table]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_multi_tensor: needs a CUDA device", file=sys.stderr)
         return 1
-    load_kernels()
+    require_kernels("core")
     torch.manual_seed(0)
     samples = 5 if args.quick else args.samples
     check = not args.no_check

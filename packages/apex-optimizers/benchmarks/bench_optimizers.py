@@ -20,13 +20,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from apex.core.benchmarking import copies_for_l2, copy_bandwidth_gbps, markdown_table, require_kernels, time_ms
 
 CHUNK_SIZE = 65536
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -87,15 +88,6 @@ class Row:
 HEADER = ["case", "dtype", "params", "ours ms", "torch ms", "speedup", "ours GB/s", "% of copy", "torch side"]
 
 
-def load_kernels() -> None:
-    import apex.optimizers._ops  # noqa: F401  (defines the op schemas)
-    from apex.core import loader
-    from apex.optimizers._plugin import KERNELS
-
-    status = loader.load(KERNELS)
-    assert status.has_kernels, status.reason
-
-
 def gpt_shapes(layers: int = 24, hidden: int = 1024, vocab: int = 50304) -> list[tuple]:
     """~354M parameters: token embedding, then per layer qkv, projection, MLP fc and projection
     (weights and biases) and two LayerNorms (weight and bias)."""
@@ -119,40 +111,6 @@ def randn_list(shapes, dtype, device="cuda") -> list[torch.Tensor]:
 def positive_list(shapes, device="cuda") -> list[torch.Tensor]:
     """Second-moment style state: random, positive."""
     return [torch.rand(s, device=device) + 0.01 for s in shapes]
-
-
-def copies_for_l2(list_bytes: int) -> int:
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    l2 = getattr(props, "L2_cache_size", 64 << 20) or (64 << 20)
-    return max(1, math.ceil(2 * l2 / max(list_bytes, 1)))
-
-
-def time_ms(calls: list[Callable[[], object]], samples: int, min_calls: int = 10) -> float:
-    """Median per-call GPU time of back-to-back runs through `calls` (one per data copy)."""
-    rounds = max(1, math.ceil(min_calls / len(calls)))
-    for _ in range(2):  # warm-up: state creation, caching allocator, lazy init
-        for call in calls:
-            call()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU work while the host queues the sample
-        start.record()
-        for _ in range(rounds):
-            for call in calls:
-                call()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / (rounds * len(calls)))
-    return statistics.median(per_call)
-
-
-def copy_bandwidth_gbps(samples: int) -> float:
-    src = torch.randn(1 << 28, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    ms = time_ms([lambda: dst.copy_(src)], samples, min_calls=5)
-    return 2 * (1 << 28) * 4 / (ms * 1e-3) / 1e9
 
 
 class Model:
@@ -348,10 +306,7 @@ def bench(
 
 
 def markdown(rows: list[Row], copy_gbps: float, header_lines: list[str]) -> str:
-    lines = [*header_lines, "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    for row in rows:
-        lines.append("| " + " | ".join(row.cells(copy_gbps)) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*header_lines, "", *markdown_table(HEADER, [row.cells(copy_gbps) for row in rows])]) + "\n"
 
 
 def verdicts(rows: dict[str, Row], copy_gbps: float) -> list[str]:
@@ -405,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench_optimizers: needs a CUDA device", file=sys.stderr)
         return 1
-    load_kernels()
+    require_kernels("optimizers")
     global ADAGRAD_FUSED
     ADAGRAD_FUSED = adagrad_fused_on_cuda()
     if not ADAGRAD_FUSED:

@@ -78,9 +78,8 @@ def _find_aot(lib: KernelLibrary, root: Path) -> Path | None:
     return candidates[0] if candidates else None
 
 
-def _try_aot(lib: KernelLibrary) -> LibraryStatus:
-    import torch
-
+def _loadable_aot(lib: KernelLibrary) -> tuple[Path, dict]:
+    """The installed AOT build and its build info, or BuildUnavailable saying why it can't be loaded."""
     from apex.core import build
 
     root = build.package_dir(lib)
@@ -94,6 +93,13 @@ def _try_aot(lib: KernelLibrary) -> LibraryStatus:
     mismatch = build.build_info_mismatch(info, lib, root)
     if mismatch:
         raise build.BuildUnavailable(f"AOT build not loadable: {mismatch}")
+    return so_path, info
+
+
+def _try_aot(lib: KernelLibrary) -> LibraryStatus:
+    import torch
+
+    so_path, info = _loadable_aot(lib)
     torch.ops.load_library(str(so_path))
     return LibraryStatus(lib.name, "aot", "ahead-of-time build matches this torch/CUDA/Python", str(so_path), info)
 
@@ -222,17 +228,7 @@ def probe(lib: KernelLibrary) -> LibraryStatus:
     attempts = []
     if tier in ("auto", "aot"):
         try:
-            root = build.package_dir(lib)
-            so_path = _find_aot(lib, root)
-            info_path = root / ("_C" + build.BUILD_INFO_SUFFIX)
-            if so_path is None:
-                raise build.BuildUnavailable("no AOT build installed")
-            if not info_path.exists():
-                raise build.BuildUnavailable(f"{so_path.name} has no build-info file")
-            info = json.loads(info_path.read_text())
-            mismatch = build.build_info_mismatch(info, lib, root)
-            if mismatch:
-                raise build.BuildUnavailable(f"AOT build not loadable: {mismatch}")
+            so_path, info = _loadable_aot(lib)
             return LibraryStatus(lib.name, "aot", "ahead-of-time build matches", str(so_path), info)
         except (build.BuildUnavailable, OSError, ValueError) as exc:
             attempts.append(f"aot: {exc}")
