@@ -1,0 +1,367 @@
+// norm_backward: grad_input, grad_weight and grad_bias of layer norm / RMS norm in one pass over
+// the saved tensor and grad_output (norm_backward.cuh has the math).
+//
+// backward_in_registers, when rows are 16-byte aligned, hold whole vectors and fit (at most 1024
+// threads x kBackwardVecs vectors: 16384 elements of 16-bit types, 8192 of float32): a row group
+// loads its slice of the saved row and of dy into registers once, reduces the two row sums, and
+// writes dx. Each thread adds dy * xhat and dy of its own columns (the same columns in every row
+// it visits) into its group's region of dynamic shared memory, [groups][2][hidden] floats: no
+// other thread touches them until the end, so no barrier is needed per row, and they cost no
+// registers (two per element held would not fit next to the row at 1024 threads per block).
+// The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
+// at the end a block adds its groups' accumulators in group order into its partial row.
+// Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
+// block for the partials. Anything else goes to norm_backward_streaming.cu.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+#include "norm_backward.cuh"
+
+namespace apex_normalization {
+namespace {
+
+constexpr int kBackwardVecs = 2;
+// Threads per block: several row groups per block keep the number of partial rows low.
+constexpr int kBackwardBlock = 512;
+
+template <int N>
+__device__ __forceinline__ void accumulate_columns(float* __restrict__ acc_w, float* __restrict__ acc_b,
+                                                   const float (&dy)[N], const float (&xhat)[N]) {
+#pragma unroll
+  for (int j = 0; j < N; j += 4) {
+    float4 w = *reinterpret_cast<const float4*>(acc_w + j);
+    float4 b = *reinterpret_cast<const float4*>(acc_b + j);
+    w.x += dy[j] * xhat[j];
+    w.y += dy[j + 1] * xhat[j + 1];
+    w.z += dy[j + 2] * xhat[j + 2];
+    w.w += dy[j + 3] * xhat[j + 3];
+    b.x += dy[j];
+    b.y += dy[j + 1];
+    b.z += dy[j + 2];
+    b.w += dy[j + 3];
+    *reinterpret_cast<float4*>(acc_w + j) = w;
+    *reinterpret_cast<float4*>(acc_b + j) = b;
+  }
+}
+
+// Makes the compiler forget the bits of v, so that values computed from v before this point are
+// computed again afterwards rather than kept in registers across the row reduction.
+template <typename T, int N>
+__device__ __forceinline__ void launder(Vec<T, N>& v) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(v) / 4); ++i) asm volatile("" : "+r"(words[i]));
+}
+
+// dx for the vectors of a row that a thread holds (see norm_backward.cuh). The restrict-qualified
+// pointers let the weight loads of later vectors move above earlier stores.
+template <int kVecs, int kV, typename T, typename W, typename O, typename S>
+__device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const T* __restrict__ grad_residual,
+                                               const W* __restrict__ weight, const W* __restrict__ bias,
+                                               bool memory_efficient, Vec<S, kV> (&xs)[kVecs],
+                                               Vec<O, kV> (&dys)[kVecs], const bool (&valid)[kVecs], int lane,
+                                               int threads, float mean, float rstd, float projection,
+                                               float centering) {
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (!valid[k]) continue;
+    launder(xs[k]);
+    launder(dys[k]);
+    const int col = (lane + k * threads) * kV;
+    float xhat[kV], wdy[kV], dy[kV];
+    to_floats(xhat, xs[k]);
+    to_floats(dy, dys[k]);
+    xhat_and_wdy(xhat, wdy, dy, weight, bias, memory_efficient, col, mean, rstd);
+    float dx[kV];
+#pragma unroll
+    for (int j = 0; j < kV; ++j) dx[j] = rstd * (wdy[j] - (xhat[j] * projection + centering));
+    if (grad_residual != nullptr) {
+      float extra[kV];
+      load_floats(extra, grad_residual + col);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) dx[j] += extra[j];
+    }
+    store_floats(grad_input + col, dx);
+  }
+}
+
+// kEfficient: memory_efficient, saved is the output (S = O); else the input (S = T). A template
+// parameter: decided at run time it costs some 20 registers.
+template <typename T, typename W, typename O, bool kEfficient, int kVecs,
+          typename S = std::conditional_t<kEfficient, O, T>>
+__global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
+  constexpr int kV = apex::vector_width<T, W, O, S>();
+  static_assert(kV % 4 == 0, "column accumulators are accessed as float4");
+  __shared__ float scratch[2 * (kMaxThreads / kWarp)];
+  extern __shared__ float4 accumulators[];
+  const RowGroup g(p.group_threads);
+  const int vectors = static_cast<int>(p.hidden / kV);
+  const int64_t tiles = ceil_div(p.rows, g.count);
+  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  const bool accumulate = p.partial_weight != nullptr;
+  float* acc_w = reinterpret_cast<float*>(accumulators) + 2 * g.index * p.hidden;
+  float* acc_b = acc_w + p.hidden;
+  if (accumulate) {
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = g.lane + k * g.threads;
+      if (v >= vectors) continue;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) acc_w[v * kV + j] = acc_b[v * kV + j] = 0.0f;
+    }
+  }
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t row = tile * g.count + g.index;
+    const bool row_valid = row < p.rows;
+    const int64_t offset = row * p.hidden;
+    Vec<S, kV> xs[kVecs];
+    Vec<O, kV> dys[kVecs];
+    bool valid[kVecs];
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = g.lane + k * g.threads;
+      valid[k] = row_valid && v < vectors;
+      if (valid[k]) {
+        xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
+        dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+      }
+    }
+    float mean = 0.0f;
+    float rstd = 0.0f;
+    if (row_valid) {
+      rstd = p.rstd[row];
+      if (p.mean != nullptr) mean = p.mean[row];
+    }
+
+    float sums[2] = {0.0f, 0.0f};  // sum(wdy * xhat), sum(wdy)
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (!valid[k]) continue;
+      const int col = (g.lane + k * g.threads) * kV;
+      float xhat[kV], wdy[kV], dy[kV];
+      to_floats(xhat, xs[k]);
+      to_floats(dy, dys[k]);
+      xhat_and_wdy(xhat, wdy, dy, p.weight, p.bias, kEfficient, col, mean, rstd);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        sums[0] += wdy[j] * xhat[j];
+        sums[1] += wdy[j];
+      }
+      if (accumulate) accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
+    }
+    group_sum(sums, g, scratch);
+    const float projection = sums[0] * inv_hidden;
+    const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
+
+    write_grad_row(p.grad_input + offset, p.grad_residual != nullptr ? p.grad_residual + offset : nullptr, p.weight,
+                   p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
+  }
+  if (!accumulate) return;
+  // The groups' accumulators, added in group order, become row blockIdx.x of the partials.
+  __syncthreads();
+  const float* all = reinterpret_cast<const float*>(accumulators);
+  float* out_w = p.partial_weight + static_cast<int64_t>(blockIdx.x) * p.hidden;
+  float* out_b = p.partial_bias != nullptr ? p.partial_bias + static_cast<int64_t>(blockIdx.x) * p.hidden : nullptr;
+  for (int64_t col = threadIdx.x; col < p.hidden; col += blockDim.x) {
+    float w = 0.0f;
+    float b = 0.0f;
+    for (int group = 0; group < g.count; ++group) {
+      w += all[2 * group * p.hidden + col];
+      b += all[(2 * group + 1) * p.hidden + col];
+    }
+    out_w[col] = w;
+    if (out_b != nullptr) out_b[col] = b;
+  }
+}
+
+// grad[col] = sum over parts of partial[part, col], in a fixed order. blockDim (32, 32);
+// blockIdx.y 0: weight, 1: bias.
+template <typename W>
+__global__ void __launch_bounds__(kMaxThreads)
+    sum_partials_kernel(const float* partial_weight, const float* partial_bias, int64_t parts, int64_t hidden,
+                        W* grad_weight, W* grad_bias) {
+  __shared__ float tile[kWarp][kWarp + 1];
+  const float* partial = blockIdx.y == 0 ? partial_weight : partial_bias;
+  W* grad = blockIdx.y == 0 ? grad_weight : grad_bias;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
+  float acc = 0.0f;
+  if (col < hidden) {
+    for (int64_t part = threadIdx.y; part < parts; part += kWarp) acc += partial[part * hidden + col];
+  }
+  tile[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  for (int stride = kWarp / 2; stride > 0; stride /= 2) {
+    if (static_cast<int>(threadIdx.y) < stride) tile[threadIdx.y][threadIdx.x] += tile[threadIdx.y + stride][threadIdx.x];
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && col < hidden) grad[col] = static_cast<W>(tile[0][threadIdx.x]);
+}
+
+template <typename T, typename W, typename O, bool kEfficient, typename S = std::conditional_t<kEfficient, O, T>>
+bool backward_registers(const BackwardArgs& a) {
+  constexpr int kV = apex::vector_width<T, W, O, S>();
+  auto p = backward_params<T, W, O, S>(a);
+  const bool aligned = aligned16(p.grad_output) && aligned16(p.saved) && aligned16(p.weight) && aligned16(p.bias) &&
+                       aligned16(p.grad_residual) && aligned16(p.grad_input);
+  const int64_t vectors = p.hidden / kV;
+  if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
+
+  p.group_threads = group_threads_for(vectors, kBackwardVecs);
+  const int groups =
+      p.group_threads <= kWarp ? kBackwardBlock / p.group_threads
+                               : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
+  const int block = p.group_threads * groups;
+  const bool weight_grads = a.grad_weight != nullptr;
+  const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
+  // block; those take the streaming path.
+  const size_t static_smem = 2 * (kMaxThreads / kWarp) * sizeof(float);
+  if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  const int64_t tiles = ceil_div(p.rows, groups);
+  const int64_t grid = std::min<int64_t>(
+      tiles, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
+
+  at::Tensor partial_weight, partial_bias;
+  if (weight_grads) {
+    const auto f32 = a.saved->options().dtype(at::kFloat);
+    partial_weight = at::empty({grid, p.hidden}, f32);
+    p.partial_weight = partial_weight.data_ptr<float>();
+    if (a.grad_bias != nullptr) {
+      partial_bias = at::empty({grid, p.hidden}, f32);
+      p.partial_bias = partial_bias.data_ptr<float>();
+    }
+  }
+  kernel<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (weight_grads) {
+    sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);
+  }
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& saved, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+    c10::SymIntArrayRef sym_shape, bool rms, bool memory_efficient, c10::ScalarType input_dtype, bool weight_grads,
+    const std::optional<at::Tensor>& grad_residual_out) {
+  constexpr const char* op = "norm_backward";
+  const c10::IntArrayRef shape = C10_AS_INTARRAYREF_SLOW(sym_shape);
+  checks::float_dtype(op, "input_dtype is", input_dtype);
+  const int64_t hidden = checks::normalized(op, "saved", saved, shape);
+  const c10::Device device = saved.device();
+  checks::dense(op, "saved", saved, device);
+  checks::affine(op, input_dtype, device, weight, bias, shape, rms);
+  const at::Tensor* w = optional_tensor(weight);
+  const at::Tensor* b = optional_tensor(bias);
+  const auto out_dtype = grad_output.scalar_type();
+  const bool output_dtype_ok = out_dtype == input_dtype || (w != nullptr && out_dtype == w->scalar_type());
+  if (!output_dtype_ok) {
+    std::string allowed = checks::torch_dtype(input_dtype);
+    if (w != nullptr && w->scalar_type() != input_dtype) allowed += ", " + checks::torch_dtype(w->scalar_type());
+    TORCH_CHECK_TYPE(false, op, ": grad_output has dtype ", checks::torch_dtype(out_dtype),
+                     "; expected the output's dtype, one of ", allowed);
+  }
+  TORCH_CHECK_VALUE(grad_output.sizes().equals(saved.sizes()), op, ": grad_output has shape ",
+                    apex::checks::shape_string(grad_output.sizes()), " but saved has ",
+                    apex::checks::shape_string(saved.sizes()));
+  checks::dense(op, "grad_output", grad_output, device);
+  const auto expected_saved = memory_efficient ? out_dtype : input_dtype;
+  TORCH_CHECK_TYPE(saved.scalar_type() == expected_saved, op, ": saved has dtype ",
+                   checks::torch_dtype(saved.scalar_type()), "; expected ", checks::torch_dtype(expected_saved),
+                   memory_efficient ? " (the output, like grad_output)" : " (the input, input_dtype)");
+  const int64_t rows = saved.numel() / hidden;
+  const bool uses_mean = !(rms || memory_efficient);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"rstd", &rstd}, {"mean", &mean}}) {
+    if (t == &mean && !uses_mean) continue;
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": ", name, " has dtype ", checks::torch_dtype(t->scalar_type()),
+                     "; expected float32");
+    TORCH_CHECK_VALUE(t->numel() == rows, op, ": ", name, " has ", t->numel(), " elements, expected one per row (",
+                      rows, ")");
+    checks::dense(op, name, *t, device);
+  }
+  const at::Tensor* grad_res = optional_tensor(grad_residual_out);
+  if (grad_res != nullptr) {
+    TORCH_CHECK_TYPE(grad_res->scalar_type() == input_dtype, op, ": grad_residual_out has dtype ",
+                     checks::torch_dtype(grad_res->scalar_type()), "; expected ", checks::torch_dtype(input_dtype));
+    TORCH_CHECK_VALUE(grad_res->sizes().equals(saved.sizes()), op, ": grad_residual_out has shape ",
+                      apex::checks::shape_string(grad_res->sizes()), " but saved has ",
+                      apex::checks::shape_string(saved.sizes()));
+    checks::dense(op, "grad_residual_out", *grad_res, device);
+  }
+
+  const c10::cuda::CUDAGuard device_guard(device);
+  const auto f32 = saved.options().dtype(at::kFloat);
+  at::Tensor grad_input = at::empty(saved.sizes(), saved.options().dtype(input_dtype));
+  const bool with_weight = weight_grads && w != nullptr;
+  at::Tensor grad_weight = with_weight ? at::empty_like(*w) : at::empty({0}, f32);
+  at::Tensor grad_bias = with_weight && b != nullptr ? at::empty_like(*b) : at::empty({0}, f32);
+  if (rows == 0) {
+    grad_weight.zero_();
+    grad_bias.zero_();
+    return {grad_input, grad_weight, grad_bias};
+  }
+
+  BackwardArgs args{};
+  args.grad_output = &grad_output;
+  args.saved = &saved;
+  args.weight = w;
+  args.bias = b;
+  args.mean = uses_mean ? &mean : nullptr;
+  args.rstd = &rstd;
+  args.grad_residual = grad_res;
+  args.grad_input = &grad_input;
+  args.grad_weight = with_weight ? &grad_weight : nullptr;
+  args.grad_bias = with_weight && b != nullptr ? &grad_bias : nullptr;
+  args.rows = rows;
+  args.hidden = hidden;
+  args.rms = rms;
+  args.memory_efficient = memory_efficient;
+  bool done = false;
+  dispatch_backward_types(args, [&](auto t, auto wt, auto o, auto s) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    using O = typename decltype(o)::type;
+    using S = typename decltype(s)::type;
+    // The checks made S the output's dtype with memory_efficient, the input's otherwise.
+    if constexpr (std::is_same_v<S, O>) {
+      if (memory_efficient) done = backward_registers<T, W, O, true>(args);
+    }
+    if constexpr (std::is_same_v<S, T>) {
+      if (!memory_efficient) done = backward_registers<T, W, O, false>(args);
+    }
+  });
+  if (!done) backward_streaming(args);
+  return {grad_input, grad_weight, grad_bias};
+}
+
+}  // namespace
+
+void sum_partials(const at::Tensor& partial_weight, const at::Tensor* partial_bias, at::Tensor& grad_weight,
+                  at::Tensor* grad_bias) {
+  const int64_t parts = partial_weight.size(0);
+  const int64_t hidden = partial_weight.size(1);
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kWarp)), partial_bias != nullptr ? 2 : 1);
+  const dim3 block(kWarp, kWarp);
+  apex::dispatch_float_types(grad_weight.scalar_type(), "norm_backward", "weight", [&](auto tag) {
+    using W = typename decltype(tag)::type;
+    sum_partials_kernel<W><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+        partial_weight.const_data_ptr<float>(), partial_bias != nullptr ? partial_bias->const_data_ptr<float>() : nullptr,
+        parts, hidden, static_cast<W*>(grad_weight.data_ptr()),
+        grad_bias != nullptr ? static_cast<W*>(grad_bias->data_ptr()) : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace apex_normalization
+
+TORCH_LIBRARY_IMPL(apex_normalization, CUDA, m) {
+  m.impl("norm_backward", &apex_normalization::norm_backward_cuda);
+}

@@ -1,0 +1,326 @@
+// Shared by the layer norm / RMS norm kernels of apex-normalization: argument checks worded like
+// apex/normalization/_ops.py, the dtype combinations the kernels are built for, row groups and
+// their reductions, and launch helpers. The math is specified by apex/normalization/_reference.py.
+//
+// Rows and row groups. A row (the last dimensions of the input, `hidden` elements) is handled by
+// a group of threads: a power of two of at most 32 lanes (several rows per warp, reductions by
+// shuffles only) or a multiple of 32 threads (shuffles, then shared memory and a barrier: the
+// whole block, or a named barrier per group when a block holds several groups). Every thread of
+// a group ends a reduction with the same bits, so the statistics a row is normalized with are
+// the ones that are saved. Blocks walk over tiles of rows (grid-stride), so every thread of a
+// block runs the same number of iterations and barriers stay uniform.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/core/ScalarType.h>
+#include <c10/macros/Macros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include <apex/checks.h>
+#include <apex/dispatch.h>
+#include <apex/reductions.cuh>
+#include <apex/vectorized.cuh>
+#include <apex/welford.cuh>
+
+namespace apex_normalization {
+
+constexpr int kWarp = apex::kWarpSize;
+constexpr int kMaxThreads = 1024;
+// Named barriers 1..15 serve the row groups of a block (0 is __syncthreads).
+constexpr int kMaxBarrierGroups = 15;
+// Threads per block of the streaming (any size) kernels: at most 128 registers per thread.
+constexpr int kStreamingThreads = 512;
+
+// Argument checks ---------------------------------------------------------------------------
+
+namespace checks {
+
+inline std::string torch_dtype(c10::ScalarType dtype) { return "torch." + apex::checks::dtype_name(dtype); }
+
+inline void dense(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, op, ": ", name, " has layout ", t.layout(),
+                    "; only dense (strided) tensors are supported");
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
+}
+
+// `t` ends with normalized_shape; returns the number of normalized elements per row.
+inline int64_t normalized(const char* op, const char* name, const at::Tensor& t, c10::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(!shape.empty(), op, ": normalized_shape must have at least one dimension");
+  const int64_t ndim = static_cast<int64_t>(shape.size());
+  const bool ends_with = t.dim() >= ndim && t.sizes().slice(t.dim() - ndim).equals(shape);
+  TORCH_CHECK_VALUE(ends_with, op, ": ", name, " of shape ", apex::checks::shape_string(t.sizes()),
+                    " does not end with normalized_shape ", apex::checks::shape_string(shape));
+  const int64_t hidden = c10::multiply_integers(shape);
+  TORCH_CHECK_VALUE(hidden > 0, op, ": normalized_shape ", apex::checks::shape_string(shape), " has no elements");
+  return hidden;
+}
+
+inline void affine(const char* op, c10::ScalarType input_dtype, c10::Device device,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                   c10::IntArrayRef shape, bool rms) {
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) {
+    const auto dtype = weight->scalar_type();
+    TORCH_CHECK_TYPE(dtype == input_dtype || dtype == c10::kFloat, op, ": weight has dtype ", torch_dtype(dtype),
+                     " but the input has ", torch_dtype(input_dtype), "; weight must be ",
+                     input_dtype == c10::kFloat ? "float32" : apex::checks::dtype_name(input_dtype) + " or float32");
+    TORCH_CHECK_VALUE(weight->sizes().equals(shape), op, ": weight has shape ",
+                      apex::checks::shape_string(weight->sizes()), ", expected normalized_shape ",
+                      apex::checks::shape_string(shape));
+    dense(op, "weight", *weight, device);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(!rms, op, ": RMS norm takes no bias");
+    TORCH_CHECK_VALUE(has_weight, op, ": bias given without weight");
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight->scalar_type(), op, ": bias has dtype ",
+                     torch_dtype(bias->scalar_type()), " but weight has ", torch_dtype(weight->scalar_type()));
+    TORCH_CHECK_VALUE(bias->sizes().equals(shape), op, ": bias has shape ", apex::checks::shape_string(bias->sizes()),
+                      ", expected normalized_shape ", apex::checks::shape_string(shape));
+    dense(op, "bias", *bias, device);
+  }
+}
+
+inline void float_dtype(const char* op, const char* what, c10::ScalarType dtype) {
+  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, dtype), op, ": ", what, " ",
+                   torch_dtype(dtype), "; expected one of float32, float16, bfloat16");
+}
+
+}  // namespace checks
+
+inline const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+template <typename T>
+inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
+  const at::Tensor* tensor = optional_tensor(t);
+  return tensor != nullptr ? static_cast<const T*>(tensor->const_data_ptr()) : nullptr;
+}
+
+// Dtype combinations ------------------------------------------------------------------------
+//
+// T input (and grad_input, residual), W weight and bias, O output (and grad_output), S the
+// tensor saved for backward (the input, or the output when memory_efficient). W is T or float;
+// O is T or W; S is T or O. Without a weight W is T. Calls f(TypeTag<T>, <W>, <O>, <S>).
+template <typename F>
+void dispatch_norm_types(const char* op, c10::ScalarType input, c10::ScalarType weight, c10::ScalarType output,
+                         c10::ScalarType saved, F&& f) {
+  apex::dispatch_float_types(input, op, "input", [&](auto input_tag) {
+    using T = typename decltype(input_tag)::type;
+    using apex::TypeTag;
+    if constexpr (std::is_same_v<T, float>) {
+      f(TypeTag<float>{}, TypeTag<float>{}, TypeTag<float>{}, TypeTag<float>{});
+    } else {
+      if (weight != c10::kFloat) {
+        f(TypeTag<T>{}, TypeTag<T>{}, TypeTag<T>{}, TypeTag<T>{});
+      } else if (output != c10::kFloat) {
+        f(TypeTag<T>{}, TypeTag<float>{}, TypeTag<T>{}, TypeTag<T>{});
+      } else if (saved != c10::kFloat) {
+        f(TypeTag<T>{}, TypeTag<float>{}, TypeTag<float>{}, TypeTag<T>{});
+      } else {
+        f(TypeTag<T>{}, TypeTag<float>{}, TypeTag<float>{}, TypeTag<float>{});
+      }
+    }
+  });
+}
+
+// Vector access -----------------------------------------------------------------------------
+
+template <typename T, int N>
+using Vec = apex::AlignedVector<T, N>;
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, N>*>(p);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void to_floats(float (&dst)[N], const Vec<T, N>& v) {
+#pragma unroll
+  for (int j = 0; j < N; ++j) dst[j] = static_cast<float>(v.val[j]);
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void load_floats(float (&dst)[N], const T* p) {
+  to_floats(dst, load_vec<T, N>(p));
+}
+
+// Stores whole 16-byte pieces as uint4, a native vector type: one 16-byte store each (a struct
+// assignment may be split). Unlike apex::store_vector this is an ordinary store, not an asm
+// statement with a memory clobber, so loads of other (restrict-qualified) arrays may move
+// above it.
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
+  static_assert(sizeof(v) % 16 == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(v) / 16); ++i) {
+    reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(&v)[i];
+  }
+}
+
+template <int N, typename T>
+__device__ __forceinline__ void store_floats(T* p, const float (&src)[N]) {
+  Vec<T, N> v;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v.val[j] = static_cast<T>(src[j]);
+  store_vec(p, v);
+}
+
+// Row groups and their reductions -----------------------------------------------------------
+
+struct RowGroup {
+  int threads;  // per row: a power of two <= 32, or a multiple of 32
+  int lane;     // this thread's index in its group
+  int index;    // the group's index in the block
+  int count;    // groups per block
+
+  __device__ __forceinline__ explicit RowGroup(int group_threads)
+      : threads(group_threads),
+        lane(static_cast<int>(threadIdx.x) % group_threads),
+        index(static_cast<int>(threadIdx.x) / group_threads),
+        count(static_cast<int>(blockDim.x) / group_threads) {}
+
+  // A barrier over this group's threads (groups of more than one warp only).
+  __device__ __forceinline__ void sync() const {
+    if (count == 1) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;" ::"r"(index + 1), "r"(threads) : "memory");
+    }
+  }
+
+  // This group's slots in a block-wide scratch array of one slot per warp.
+  __device__ __forceinline__ int first_warp_slot() const { return index * (threads / kWarp); }
+};
+
+// Sums v[0..N) over the group. scratch: one slot of N floats per warp of the block.
+template <int N>
+__device__ __forceinline__ void group_sum(float (&v)[N], const RowGroup& g, float* scratch) {
+  const int width = g.threads < kWarp ? g.threads : kWarp;
+  for (int offset = width / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] += __shfl_xor_sync(0xffffffffu, v[n], offset);
+  }
+  if (g.threads <= kWarp) return;
+  const int warp = g.lane / kWarp;
+  const int lane = g.lane % kWarp;
+  const int warps = g.threads / kWarp;
+  float* slots = scratch + g.first_warp_slot() * N;
+  g.sync();  // the previous reduction's readers are done with the slots
+  if (lane == 0) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) slots[warp * N + n] = v[n];
+  }
+  g.sync();
+#pragma unroll
+  for (int n = 0; n < N; ++n) v[n] = lane < warps ? slots[lane * N + n] : 0.0f;
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) v[n] += __shfl_xor_sync(0xffffffffu, v[n], offset);
+  }
+}
+
+// One butterfly step of a Welford merge; both partners merge (lower lane, upper lane) in that
+// order, so they end with the same bits.
+__device__ __forceinline__ apex::Welford<float> welford_xor_step(const apex::Welford<float>& w, int offset) {
+  apex::Welford<float> other{};
+  other.mean = __shfl_xor_sync(0xffffffffu, w.mean, offset);
+  other.m2 = __shfl_xor_sync(0xffffffffu, w.m2, offset);
+  other.count = __shfl_xor_sync(0xffffffffu, w.count, offset);
+  const bool upper = (threadIdx.x & offset) != 0;
+  return upper ? apex::welford_merge(other, w) : apex::welford_merge(w, other);
+}
+
+// Merges the per-thread states of the group. scratch: one slot per warp of the block.
+__device__ __forceinline__ apex::Welford<float> group_welford(apex::Welford<float> w, const RowGroup& g,
+                                                              apex::Welford<float>* scratch) {
+  const int width = g.threads < kWarp ? g.threads : kWarp;
+  for (int offset = width / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
+  if (g.threads <= kWarp) return w;
+  const int warp = g.lane / kWarp;
+  const int lane = g.lane % kWarp;
+  const int warps = g.threads / kWarp;
+  apex::Welford<float>* slots = scratch + g.first_warp_slot();
+  g.sync();
+  if (lane == 0) slots[warp] = w;
+  g.sync();
+  w = lane < warps ? slots[lane] : apex::Welford<float>{};
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
+  return w;
+}
+
+// Launch helpers ----------------------------------------------------------------------------
+
+C10_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int next_power_of_two(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// Blocks of `threads` threads (and `smem` bytes of dynamic shared memory) that fit on one
+// multiprocessor of the current device at once; cached, as launches ask for it every call.
+inline int resident_blocks(const void* kernel, int threads, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
+  const int device = at::cuda::current_device();
+  const auto key = std::make_tuple(kernel, threads, smem, device);
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+  blocks = blocks > 0 ? blocks : 1;
+  cache.emplace(key, blocks);
+  return blocks;
+}
+
+// Lets `kernel` use `bytes` of dynamic shared memory (beyond the default 48 KiB) on the current
+// device; the attribute is set once per kernel, device and size.
+inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mutex;
+  static std::map<std::tuple<const void*, int>, size_t> allowed;
+  const int device = at::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& current = allowed[std::make_tuple(kernel, device)];
+  if (current >= bytes) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  current = bytes;
+}
+
+// Threads per row for a row held in registers: enough threads that each holds at most
+// `vecs_per_thread` vectors; a power of two up to a warp, else whole warps.
+inline int group_threads_for(int64_t vectors, int vecs_per_thread) {
+  const int64_t needed = ceil_div(vectors, vecs_per_thread);
+  if (needed <= kWarp) return next_power_of_two(needed);
+  return static_cast<int>(ceil_div(needed, kWarp) * kWarp);
+}
+
+// Threads per row for the streaming kernels (any hidden size, one row per block).
+inline int streaming_threads_for(int64_t hidden, int vector_width) {
+  const int64_t wanted = ceil_div(ceil_div(hidden, vector_width * 4), kWarp) * kWarp;
+  return static_cast<int>(wanted < kWarp ? kWarp : (wanted > kStreamingThreads ? kStreamingThreads : wanted));
+}
+
+}  // namespace apex_normalization

@@ -1,0 +1,377 @@
+// norm_forward and add_norm_forward: layer norm or RMS norm of each row, optionally of
+// input + residual, in one pass over memory. See _reference.norm_forward for the math.
+//
+// Two kernels:
+// - forward_in_registers, when every row is 16-byte aligned and holds whole vectors (hidden a
+//   multiple of the vector width) and fits in registers (at most 1024 threads x kForwardVecs
+//   vectors: 32768 elements of 16-bit types, 16384 of float32). A row group (see
+//   norm_common.cuh) loads its row once into registers with 16-byte loads, reduces, and writes
+//   the output: 4 bytes of traffic per 16-bit element (6 with a residual, plus 2 for the sum).
+//   Layer norm statistics: each thread's exact mean and sum of squared deviations over its own
+//   elements, merged over the group by Chan's formula (one reduction, no cancellation);
+//   RMS norm: one sum of squares.
+// - forward_streaming, for anything else (odd sizes, misaligned rows, longer rows): one block
+//   per row, a Welford pass over the row, then a pass that normalizes, re-reading the row
+//   (from L2 at these sizes).
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "norm_common.cuh"
+
+namespace apex_normalization {
+namespace {
+
+// Vectors per thread of a row held in registers (16 bytes each of the narrowest type).
+constexpr int kForwardVecs = 4;
+// Threads per block when a row needs at most a warp (several rows per block).
+constexpr int kSmallRowBlock = 256;
+
+template <typename T, typename W, typename O>
+struct ForwardParams {
+  const T* input;
+  const T* residual;  // may be null
+  const W* weight;    // may be null
+  const W* bias;      // may be null
+  O* output;
+  T* residual_out;  // input + residual, when residual is given
+  float* mean;      // null for RMS norm
+  float* rstd;
+  int64_t rows;
+  int64_t hidden;
+  float eps;
+  bool rms;
+  int group_threads;
+};
+
+// y = (x - mean) * rstd * weight + bias for the vectors of a row that a thread holds. The
+// restrict-qualified pointers let the weight loads of later vectors move above earlier stores.
+template <int kVecs, int kV, typename T, typename W, typename O>
+__device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restrict__ weight,
+                                          const W* __restrict__ bias, const Vec<T, kV> (&x)[kVecs],
+                                          const bool (&valid)[kVecs], int lane, int threads, float mean, float rstd) {
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (!valid[k]) continue;
+    const int col = (lane + k * threads) * kV;
+    float y[kV];
+    to_floats(y, x[k]);
+#pragma unroll
+    for (int j = 0; j < kV; ++j) y[j] = (y[j] - mean) * rstd;
+    if (weight != nullptr) {
+      float w[kV];
+      load_floats(w, weight + col);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) y[j] *= w[j];
+    }
+    if (bias != nullptr) {
+      float b[kV];
+      load_floats(b, bias + col);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) y[j] += b[j];
+    }
+    store_floats(out + col, y);
+  }
+}
+
+template <typename T, typename W, typename O, int kVecs>
+__global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const ForwardParams<T, W, O> p) {
+  constexpr int kV = apex::vector_width<T, W, O>();
+  __shared__ float sum_scratch[kMaxThreads / kWarp];
+  __shared__ apex::Welford<float> welford_scratch[kMaxThreads / kWarp];
+  const RowGroup g(p.group_threads);
+  const int vectors = static_cast<int>(p.hidden / kV);
+  const int64_t tiles = ceil_div(p.rows, g.count);
+  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t row = tile * g.count + g.index;
+    const bool row_valid = row < p.rows;
+    const int64_t offset = row * p.hidden;
+    Vec<T, kV> x[kVecs];
+    bool valid[kVecs];
+    int count = 0;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = g.lane + k * g.threads;
+      valid[k] = row_valid && v < vectors;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) x[k].val[j] = T(0.0f);
+      if (valid[k]) {
+        x[k] = load_vec<T, kV>(p.input + offset + v * kV);
+        count += kV;
+      }
+    }
+    if (p.residual != nullptr) {
+      // The sum is rounded to T and stored; the norm is taken of the stored value.
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (!valid[k]) continue;
+        const int64_t at = offset + (g.lane + k * g.threads) * kV;
+        const Vec<T, kV> r = load_vec<T, kV>(p.residual + at);
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          x[k].val[j] = static_cast<T>(static_cast<float>(x[k].val[j]) + static_cast<float>(r.val[j]));
+        }
+        store_vec(p.residual_out + at, x[k]);
+      }
+    }
+
+    float mean = 0.0f;
+    float rstd;
+    if (p.rms) {
+      float squares[1] = {0.0f};
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const float f = static_cast<float>(x[k].val[j]);
+          squares[0] += f * f;
+        }
+      }
+      group_sum(squares, g, sum_scratch);
+      rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
+    } else {
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) sum += static_cast<float>(x[k].val[j]);
+      }
+      apex::Welford<float> w{};
+      w.count = static_cast<float>(count);
+      w.mean = count > 0 ? sum / w.count : 0.0f;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (!valid[k]) continue;
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const float d = static_cast<float>(x[k].val[j]) - w.mean;
+          w.m2 += d * d;
+        }
+      }
+      w = group_welford(w, g, welford_scratch);
+      mean = w.mean;
+      rstd = rsqrtf(w.m2 * inv_hidden + p.eps);
+    }
+    if (row_valid && g.lane == 0) {
+      if (p.mean != nullptr) p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+
+    write_row(p.output + offset, p.weight, p.bias, x, valid, g.lane, g.threads, mean, rstd);
+  }
+}
+
+template <typename T, typename W, typename O>
+__global__ void __launch_bounds__(kStreamingThreads) forward_streaming(const ForwardParams<T, W, O> p) {
+  constexpr int kV = apex::vector_width<T, W, O>();
+  constexpr int kInFlight = 2;
+  __shared__ float sum_scratch[kWarp];
+  __shared__ apex::Welford<float> welford_scratch[kWarp];
+
+  for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+    const int64_t offset = row * p.hidden;
+    const T* x = p.input + offset;
+    apex::Welford<float> w{};
+    float squares = 0.0f;
+    auto accumulate = [&](float v) {
+      if (p.rms) {
+        squares += v * v;
+      } else {
+        w.update(v);
+      }
+    };
+    const T* source = x;
+    if (p.residual != nullptr) {
+      const T* r = p.residual + offset;
+      T* sum = p.residual_out + offset;
+      apex::for_each_element<kV, kInFlight>(
+          p.hidden,
+          [&](auto group) {
+            using G = decltype(group);
+            float a[G::kCount][G::kWidth];
+            float b[G::kCount][G::kWidth];
+            group.load(a, x);
+            group.load(b, r);
+#pragma unroll
+            for (int i = 0; i < G::kCount; ++i) {
+#pragma unroll
+              for (int j = 0; j < G::kWidth; ++j) {
+                a[i][j] = static_cast<float>(static_cast<T>(a[i][j] + b[i][j]));
+                accumulate(a[i][j]);
+              }
+            }
+            group.store(sum, a);
+          },
+          x, r, sum);
+      source = sum;
+    } else {
+      apex::for_each_element<kV, kInFlight>(
+          p.hidden,
+          [&](auto group) {
+            using G = decltype(group);
+            float a[G::kCount][G::kWidth];
+            group.load(a, x);
+#pragma unroll
+            for (int i = 0; i < G::kCount; ++i) {
+#pragma unroll
+              for (int j = 0; j < G::kWidth; ++j) accumulate(a[i][j]);
+            }
+          },
+          x);
+    }
+
+    // The block reductions start with a barrier: the sum written above is then visible to all.
+    float mean = 0.0f;
+    float rstd;
+    if (p.rms) {
+      rstd = rsqrtf(apex::block_sum(squares, sum_scratch) / static_cast<float>(p.hidden) + p.eps);
+    } else {
+      w = apex::block_welford(w, welford_scratch);
+      mean = w.mean;
+      rstd = rsqrtf(w.m2 / static_cast<float>(p.hidden) + p.eps);
+    }
+    if (threadIdx.x == 0) {
+      if (p.mean != nullptr) p.mean[row] = mean;
+      p.rstd[row] = rstd;
+    }
+
+    O* y = p.output + offset;
+    apex::for_each_element<kV, kInFlight>(
+        p.hidden,
+        [&](auto group) {
+          using G = decltype(group);
+          float a[G::kCount][G::kWidth];
+          float wt[G::kCount][G::kWidth];
+          float bs[G::kCount][G::kWidth];
+          group.load(a, source);
+          if (p.weight != nullptr) group.load(wt, p.weight);
+          if (p.bias != nullptr) group.load(bs, p.bias);
+#pragma unroll
+          for (int i = 0; i < G::kCount; ++i) {
+#pragma unroll
+            for (int j = 0; j < G::kWidth; ++j) {
+              float v = (a[i][j] - mean) * rstd;
+              if (p.weight != nullptr) v *= wt[i][j];
+              if (p.bias != nullptr) v += bs[i][j];
+              a[i][j] = v;
+            }
+          }
+          group.store(y, a);
+        },
+        source, y, p.weight, p.bias);
+  }
+}
+
+template <typename T, typename W, typename O>
+void launch_forward(ForwardParams<T, W, O> p) {
+  constexpr int kV = apex::vector_width<T, W, O>();
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
+                       aligned16(p.residual_out) && aligned16(p.weight) && aligned16(p.bias);
+  const int64_t vectors = p.hidden / kV;
+  if (aligned && p.hidden % kV == 0 && vectors <= static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
+    p.group_threads = group_threads_for(vectors, kForwardVecs);
+    const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
+    const auto kernel = forward_in_registers<T, W, O, kForwardVecs>;
+    const int64_t tiles = ceil_div(p.rows, block / p.group_threads);
+    const int64_t grid = std::min<int64_t>(tiles, static_cast<int64_t>(sm_count()) *
+                                                      resident_blocks(reinterpret_cast<const void*>(kernel), block, 0));
+    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
+  } else {
+    const int block = streaming_threads_for(p.hidden, kV);
+    const auto kernel = forward_streaming<T, W, O>;
+    const int64_t grid = std::min<int64_t>(
+        p.rows, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, 0));
+    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
+    const char* op, const at::Tensor& input, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, c10::SymIntArrayRef sym_shape,
+    double eps, bool rms, std::optional<c10::ScalarType> output_dtype) {
+  const c10::IntArrayRef shape = C10_AS_INTARRAYREF_SLOW(sym_shape);
+  const auto input_dtype = input.scalar_type();
+  checks::float_dtype(op, "input has dtype", input_dtype);
+  const int64_t hidden = checks::normalized(op, "input", input, shape);
+  checks::dense(op, "input", input, input.device());
+  const at::Tensor* res = optional_tensor(residual);
+  if (res != nullptr) {
+    TORCH_CHECK_TYPE(res->scalar_type() == input_dtype, op, ": residual has dtype ",
+                     checks::torch_dtype(res->scalar_type()), " but input has ", checks::torch_dtype(input_dtype));
+    TORCH_CHECK_VALUE(res->sizes().equals(input.sizes()), op, ": residual has shape ",
+                      apex::checks::shape_string(res->sizes()), " but input has ",
+                      apex::checks::shape_string(input.sizes()));
+    checks::dense(op, "residual", *res, input.device());
+  }
+  checks::affine(op, input_dtype, input.device(), weight, bias, shape, rms);
+  const at::Tensor* w = optional_tensor(weight);
+  const auto weight_dtype = w != nullptr ? w->scalar_type() : input_dtype;
+  const auto out_dtype = output_dtype.value_or(input_dtype);
+  if (out_dtype != input_dtype && out_dtype != weight_dtype) {
+    std::string weight_part = w != nullptr ? " (" + checks::torch_dtype(weight_dtype) + ")" : "";
+    TORCH_CHECK_TYPE(false, op, ": output_dtype ", checks::torch_dtype(out_dtype),
+                     " is neither the input's dtype (", checks::torch_dtype(input_dtype), ") nor the weight's",
+                     weight_part);
+  }
+
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const auto lead = input.sizes().slice(0, input.dim() - static_cast<int64_t>(shape.size()));
+  const auto f32 = input.options().dtype(at::kFloat);
+  at::Tensor output = at::empty(input.sizes(), input.options().dtype(out_dtype));
+  at::Tensor mean = rms ? at::empty({0}, f32) : at::empty(lead, f32);
+  at::Tensor rstd = at::empty(lead, f32);
+  at::Tensor residual_out = res != nullptr ? at::empty_like(input) : at::Tensor();
+  const int64_t rows = input.numel() / hidden;
+  if (rows == 0) return {output, residual_out, mean, rstd};
+
+  dispatch_norm_types(op, input_dtype, weight_dtype, out_dtype, input_dtype, [&](auto t, auto wt, auto o, auto) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    using O = typename decltype(o)::type;
+    ForwardParams<T, W, O> p{};
+    p.input = static_cast<const T*>(input.const_data_ptr());
+    p.residual = res != nullptr ? static_cast<const T*>(res->const_data_ptr()) : nullptr;
+    p.weight = optional_ptr<W>(weight);
+    p.bias = optional_ptr<W>(bias);
+    p.output = static_cast<O*>(output.data_ptr());
+    p.residual_out = res != nullptr ? static_cast<T*>(residual_out.data_ptr()) : nullptr;
+    p.mean = rms ? nullptr : mean.data_ptr<float>();
+    p.rstd = rstd.data_ptr<float>();
+    p.rows = rows;
+    p.hidden = hidden;
+    p.eps = static_cast<float>(eps);
+    p.rms = rms;
+    launch_forward(p);
+  });
+  return {output, residual_out, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    c10::SymIntArrayRef normalized_shape, double eps, bool rms, bool /*memory_efficient*/,
+    std::optional<c10::ScalarType> output_dtype) {
+  auto outputs = forward("norm_forward", input, std::nullopt, weight, bias, normalized_shape, eps, rms, output_dtype);
+  return {std::get<0>(outputs), std::get<2>(outputs), std::get<3>(outputs)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_norm_forward_cuda(
+    const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, c10::SymIntArrayRef normalized_shape, double eps, bool rms,
+    bool /*memory_efficient*/, std::optional<c10::ScalarType> output_dtype) {
+  return forward("add_norm_forward", input, residual, weight, bias, normalized_shape, eps, rms, output_dtype);
+}
+
+}  // namespace
+}  // namespace apex_normalization
+
+TORCH_LIBRARY_IMPL(apex_normalization, CUDA, m) {
+  m.impl("norm_forward", &apex_normalization::norm_forward_cuda);
+  m.impl("add_norm_forward", &apex_normalization::add_norm_forward_cuda);
+}

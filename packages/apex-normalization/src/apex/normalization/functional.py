@@ -1,0 +1,111 @@
+"""Functional layer norm and RMS norm with upstream Apex's signatures, plus fused residual-add variants.
+
+Every function normalizes over the last ``len(normalized_shape)`` dimensions, keeps its
+statistics in float32 whatever the input dtype, and is differentiable in the input and the
+affine parameters (``torch.ops.apex_normalization.*`` with their registered backward).
+
+- ``fused_*`` functions return the input's dtype; their weight (and bias) may be in the
+  input's dtype or float32.
+- ``mixed_dtype_*`` functions return the weight's dtype (float32 weights with float16/bfloat16
+  input give a float32 output), as upstream's ``MixedFused*`` modules do.
+- ``memory_efficient=True`` keeps the output instead of the input for the backward pass and
+  recomputes the normalized values from it (which needs a weight without zeros): when the output
+  is kept anyway (the next layer saves it), the input and, for layer norm, the per-row means are
+  no longer held: ``rows * hidden * input.element_size() + 4 * rows`` bytes less per call.
+- ``fused_add_*`` functions compute ``s = input + residual`` (in the input's dtype) and return
+  ``(norm(s), s)`` in one pass, as a pre-norm transformer block uses them.
+
+Under ``torch.autocast`` the tensors are first cast to the autocast dtype, as upstream does.
+Non-contiguous tensors are made contiguous first (a copy).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from apex.normalization import _ops
+
+
+def normalized_shape_tuple(normalized_shape) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(normalized_shape)
+
+
+def _autocast_and_contiguous(*tensors):
+    first = tensors[0]
+    device_type = first.device.type
+    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    dtype = torch.get_autocast_dtype(device_type) if autocast else None
+    result = []
+    for t in tensors:
+        if t is not None:
+            if dtype is not None and t.is_floating_point():
+                t = t.to(dtype)
+            t = t.contiguous()
+        result.append(t)
+    return result
+
+
+def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, mixed):
+    input, residual, weight, bias = _autocast_and_contiguous(input, residual, weight, bias)
+    shape = normalized_shape_tuple(normalized_shape)
+    output_dtype = weight.dtype if mixed and weight is not None else None
+    if residual is None:
+        return _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
+    out, residual_out, _, _ = _ops.add_norm_forward(
+        input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype
+    )
+    return out, residual_out
+
+
+def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):
+    """Layer norm with weight and bias (bias may be None); output in the input's dtype."""
+    return _norm(input, None, weight, bias, normalized_shape, eps, False, memory_efficient, False)
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """Layer norm without affine parameters."""
+    return _norm(input, None, None, None, normalized_shape, eps, False, memory_efficient, False)
+
+
+def mixed_dtype_fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):
+    """Layer norm with weight and bias; output in the weight's dtype."""
+    return _norm(input, None, weight, bias, normalized_shape, eps, False, memory_efficient, True)
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMS norm with a weight; output in the input's dtype."""
+    return _norm(input, None, weight, None, normalized_shape, eps, True, memory_efficient, False)
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMS norm without a weight."""
+    return _norm(input, None, None, None, normalized_shape, eps, True, memory_efficient, False)
+
+
+def mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMS norm with a weight; output in the weight's dtype."""
+    return _norm(input, None, weight, None, normalized_shape, eps, True, memory_efficient, True)
+
+
+def fused_add_layer_norm_affine(input, residual, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):
+    """``s = input + residual``; returns ``(layer_norm(s) * weight + bias, s)``."""
+    return _norm(input, residual, weight, bias, normalized_shape, eps, False, memory_efficient, False)
+
+
+def fused_add_layer_norm(input, residual, normalized_shape, eps=1e-6, memory_efficient=False):
+    """``s = input + residual``; returns ``(layer_norm(s), s)``."""
+    return _norm(input, residual, None, None, normalized_shape, eps, False, memory_efficient, False)
+
+
+def fused_add_rms_norm_affine(input, residual, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """``s = input + residual``; returns ``(rms_norm(s) * weight, s)``."""
+    return _norm(input, residual, weight, None, normalized_shape, eps, True, memory_efficient, False)
+
+
+def fused_add_rms_norm(input, residual, normalized_shape, eps=1e-6, memory_efficient=False):
+    """``s = input + residual``; returns ``(rms_norm(s), s)``."""
+    return _norm(input, residual, None, None, normalized_shape, eps, True, memory_efficient, False)

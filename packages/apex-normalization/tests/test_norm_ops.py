@@ -1,0 +1,404 @@
+"""The apex_normalization ops themselves: opcheck, torch.compile, autocast, bad input, memory,
+devices other than cuda:0, determinism and tensors past 2^31 elements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apex.normalization import FusedLayerNorm, FusedRMSNorm, _ops
+from apex.normalization import functional as AF
+
+OPS = torch.ops.apex_normalization
+
+
+def leaf(t):
+    return t.detach().requires_grad_()
+
+
+# opcheck ---------------------------------------------------------------------------------------
+
+FORWARD_CASES = {
+    "layer-affine-fp32": dict(dtype=torch.float32, weight=True, bias=True, rms=False),
+    "layer-plain-fp16-2d": dict(dtype=torch.float16, weight=False, bias=False, rms=False, ndim=2),
+    "rms-fp32-weight-bf16-mixed-memory-efficient": dict(
+        dtype=torch.bfloat16, weight=True, bias=False, rms=True, weight_dtype=torch.float32, mixed=True, me=True
+    ),
+}
+
+
+def forward_args(device, dtype, weight, bias, rms, ndim=1, weight_dtype=None, mixed=False, me=False):
+    x = leaf(torch.randn(4, 3, 40, device=device).to(dtype))
+    shape = list(x.shape[3 - ndim :])
+    w = leaf(torch.rand(shape, device=device).add(0.5).to(weight_dtype or dtype)) if weight else None
+    b = leaf(torch.randn(shape, device=device).to(weight_dtype or dtype)) if bias else None
+    return x, w, b, shape, 1e-5, rms, me, (w.dtype if mixed else None)
+
+
+@pytest.mark.parametrize("case", list(FORWARD_CASES))
+def test_opcheck_norm_forward(device, case):
+    torch.library.opcheck(OPS.norm_forward.default, forward_args(device, **FORWARD_CASES[case]))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_opcheck_add_norm_forward(device, rms):
+    x, w, b, shape, eps, _, _, _ = forward_args(device, torch.bfloat16, True, not rms, rms)
+    r = leaf(torch.randn_like(x))
+    torch.library.opcheck(OPS.add_norm_forward.default, (x, r, w, b, shape, eps, rms, False, None))
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])
+def test_opcheck_norm_backward(device, memory_efficient):
+    x, w, b, shape, eps, rms, _, _ = forward_args(device, torch.float16, True, True, False)
+    out, mean, rstd = OPS.norm_forward(x.detach(), w.detach(), b.detach(), shape, eps, rms)
+    saved = out if memory_efficient else x.detach()
+    dy = torch.randn_like(out)
+    extra = torch.randn_like(x.detach())
+    args = (dy, saved, w.detach(), b.detach(), mean, rstd, shape, False, memory_efficient, x.dtype, True, extra)
+    torch.library.opcheck(OPS.norm_backward.default, args)
+
+
+# torch.compile ---------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    """A pre-norm residual block shape: linear, add + layer norm, RMS norm (memory efficient)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+        self.norm1 = FusedLayerNorm(hidden)
+        self.norm2 = FusedRMSNorm(hidden, memory_efficient=True)
+
+    def forward(self, x):
+        h, residual = self.norm1(self.linear(x), x)
+        return self.norm2(h) + residual
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    torch.manual_seed(3)
+    model = Block(64).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    x = torch.randn(8, 5, 64, device=device)
+    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+
+    def run(fn):
+        xi = leaf(x)
+        out = fn(xi)
+        out.backward(torch.ones_like(out))
+        return out, xi.grad, [p.grad.clone() for p in model.parameters()]
+
+    expected = run(model)
+    model.zero_grad()
+    got = run(compiled)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1])
+    for g, e in zip(got[2], expected[2]):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.slow
+def test_torch_compile_under_autocast(device):
+    model = FusedLayerNorm(32).to(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(6, 32, device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = compiled(x)
+        expected = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+
+
+# autocast --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fused", "mixed"])
+def test_autocast_casts_to_the_autocast_dtype(device, mixed):
+    x = torch.randn(5, 48, device=device)
+    w = torch.rand(48, device=device, requires_grad=True)
+    b = torch.randn(48, device=device, requires_grad=True)
+    fn = AF.mixed_dtype_fused_layer_norm_affine if mixed else AF.fused_layer_norm_affine
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = fn(x, w, b, 48)
+    assert out.dtype == torch.bfloat16  # weights are cast too, as upstream: no float32 output
+    expected = fn(x.bfloat16(), w.detach().bfloat16(), b.detach().bfloat16(), 48)
+    torch.testing.assert_close(out, expected)
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+
+
+def test_autocast_rms_norm_module(device):
+    model = FusedRMSNorm(48).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = model(torch.randn(5, 48, device=device))
+    assert out.dtype == torch.bfloat16
+
+
+def test_no_autocast_keeps_dtypes(device):
+    x = torch.randn(5, 48, device=device, dtype=torch.bfloat16)
+    w = torch.rand(48, device=device)
+    assert AF.fused_rms_norm_affine(x, w, 48).dtype == torch.bfloat16
+    assert AF.mixed_dtype_fused_rms_norm_affine(x, w, 48).dtype == torch.float32
+
+
+# bad input -------------------------------------------------------------------------------------
+
+
+def test_input_not_ending_with_normalized_shape(device):
+    x = torch.randn(4, 5, device=device)
+    with pytest.raises(ValueError, match=r"input of shape \(4, 5\) does not end with normalized_shape \(4,\)"):
+        AF.fused_layer_norm(x, 4)
+    with pytest.raises(ValueError, match=r"does not end with normalized_shape \(3, 5\)"):
+        FusedRMSNorm((3, 5)).to(device)(x)
+    with pytest.raises(ValueError, match=r"normalized_shape must have at least one dimension"):
+        OPS.norm_forward(x, None, None, [], 1e-5, False)
+
+
+def test_weight_of_another_dtype(device):
+    x = torch.randn(4, 8, device=device, dtype=torch.bfloat16)
+    w = torch.ones(8, device=device, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"weight has dtype torch.float16 but the input has torch.bfloat16; "):
+        AF.fused_rms_norm_affine(x, w, 8)
+    with pytest.raises(TypeError, match=r"but the input has torch.float32; weight must be float32"):
+        AF.fused_layer_norm_affine(x.float(), w, None, 8)
+
+
+def test_bias_checks(device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(TypeError, match=r"bias has dtype torch.float16 but weight has torch.float32"):
+        AF.fused_layer_norm_affine(x, w, torch.zeros(8, device=device, dtype=torch.float16), 8)
+    with pytest.raises(ValueError, match=r"bias has shape \(7,\), expected normalized_shape \(8,\)"):
+        AF.fused_layer_norm_affine(x, w, torch.zeros(7, device=device), 8)
+    with pytest.raises(ValueError, match=r"RMS norm takes no bias"):
+        OPS.norm_forward(x, w, torch.zeros(8, device=device), [8], 1e-5, True)
+    with pytest.raises(ValueError, match=r"bias given without weight"):
+        OPS.norm_forward(x, None, torch.zeros(8, device=device), [8], 1e-5, False)
+
+
+def test_weight_shape_and_input_dtype(device):
+    x = torch.randn(4, 8, device=device)
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 4\), expected normalized_shape \(8,\)"):
+        AF.fused_rms_norm_affine(x, torch.ones(2, 4, device=device), 8)
+    with pytest.raises(TypeError, match=r"input has dtype torch.float64; expected one of float32, float16, bfloat16"):
+        AF.fused_layer_norm(x.double(), 8)
+
+
+def test_output_dtype_and_residual_checks(device):
+    x = torch.randn(4, 8, device=device, dtype=torch.float16)
+    w = torch.ones(8, device=device)
+    with pytest.raises(TypeError, match=r"output_dtype torch.bfloat16 is neither the input's dtype"):
+        OPS.norm_forward(x, w, None, [8], 1e-5, True, False, torch.bfloat16)
+    with pytest.raises(TypeError, match=r"residual has dtype torch.float32 but input has torch.float16"):
+        AF.fused_add_rms_norm(x, x.float(), 8)
+    with pytest.raises(ValueError, match=r"residual has shape \(2, 8\) but input has \(4, 8\)"):
+        AF.fused_add_rms_norm(x, x[:2].clone(), 8)
+
+
+def test_non_contiguous(device):
+    x = torch.randn(8, 6, device=device).t()
+    with pytest.raises(ValueError, match=r"norm_forward: input is not contiguous"):
+        OPS.norm_forward(x, None, None, [8], 1e-5, False)
+    # The functions make a contiguous copy first, as upstream does.
+    torch.testing.assert_close(AF.fused_layer_norm(x, 8, 1e-5), F.layer_norm(x, (8,), eps=1e-5))
+
+
+def test_backward_op_checks(device):
+    x = torch.randn(4, 8, device=device)
+    _, mean, rstd = OPS.norm_forward(x, None, None, [8], 1e-5, False)
+    ok = (torch.randn_like(x), x, None, None, mean, rstd, [8], False, False, torch.float32)
+    OPS.norm_backward(*ok)
+    with pytest.raises(ValueError, match=r"grad_output has shape \(2, 8\) but saved has \(4, 8\)"):
+        OPS.norm_backward(torch.randn(2, 8, device=device), *ok[1:])
+    with pytest.raises(ValueError, match=r"rstd has 3 elements, expected one per row \(4\)"):
+        OPS.norm_backward(*ok[:5], rstd[:3].clone(), *ok[6:])
+    with pytest.raises(TypeError, match=r"saved has dtype torch.float16; expected torch.float32"):
+        OPS.norm_backward(ok[0], x.half(), *ok[2:])
+    with pytest.raises(TypeError, match=r"grad_output has dtype torch.float16; expected the output's dtype"):
+        OPS.norm_backward(ok[0].half(), *ok[1:])
+
+
+@pytest.mark.gpu
+def test_tensors_on_another_device_are_named():
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(ValueError, match=r"weight is on cpu, expected cuda:0"):
+        AF.fused_rms_norm_affine(x, torch.ones(8), 8)
+
+
+# memory_efficient ------------------------------------------------------------------------------
+
+
+def saved_bytes(fn, *args) -> int:
+    """Bytes of the distinct storages autograd keeps for backward while fn(*args) runs."""
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*args)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_memory_efficient_keeps_the_output_instead_of_the_input(device, rms, dtype):
+    """Pre-norm use: the norm's output feeds a linear layer, which saves it anyway. Keeping the output
+    instead of the input frees rows * hidden input elements and (layer norm) rows float32 means."""
+    rows, hidden = 48, 256
+    x0 = torch.randn(rows, hidden, device=device, dtype=dtype)
+    linear = torch.nn.Linear(hidden, 16, device=device, dtype=dtype)
+
+    def block(memory_efficient):
+        norm = (FusedRMSNorm if rms else FusedLayerNorm)(hidden, memory_efficient=memory_efficient)
+        norm = norm.to(device=device, dtype=dtype)
+        return lambda x: linear(norm(x * 2.0))  # x * 2.0: an activation nothing else keeps
+
+    plain = saved_bytes(block(False), leaf(x0))
+    efficient = saved_bytes(block(True), leaf(x0))
+    expected_saving = rows * hidden * x0.element_size() + (0 if rms else 4 * rows)
+    assert plain - efficient == expected_saving
+
+
+@pytest.mark.gpu
+def test_memory_efficient_frees_device_memory():
+    rows, hidden = 4096, 1024
+    x0 = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    linear = torch.nn.Linear(hidden, hidden, device="cuda", dtype=torch.bfloat16)
+
+    def held_after_forward(memory_efficient):
+        norm = FusedLayerNorm(hidden, memory_efficient=memory_efficient).to("cuda", torch.bfloat16)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = linear(norm(x0 * 2.0))
+        held = torch.cuda.memory_allocated() - before
+        out.float().sum().backward()
+        return held
+
+    held_after_forward(False)  # warm-up
+    saving = held_after_forward(False) - held_after_forward(True)
+    assert saving >= rows * hidden * 2, saving
+
+
+# devices, determinism, size --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_kernels_are_loaded():
+    from apex.core import loader
+    from apex.normalization._plugin import KERNELS
+
+    AF.fused_layer_norm(torch.randn(2, 8, device="cuda"), 8)
+    assert loader.load(KERNELS).has_kernels, loader.load(KERNELS).reason
+
+
+def poison_cuda_cache(*tensors: torch.Tensor) -> None:
+    """Leave NaN-filled blocks of these tensors' sizes (and larger) in the caching allocator, so that
+    the op's outputs are likely carved from them: an element the kernels do not write stays NaN."""
+    sizes = {t.numel() * t.element_size() for t in tensors}
+    sizes |= {4 * s for s in sizes} | {64 << 20}
+    blocks = [torch.full((s // 4 + 1,), float("nan"), device="cuda") for s in sorted(sizes)]
+    del blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [8, 96, 1024, 4096, 16384, 20000, 1023], ids=str)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+def test_every_output_element_is_written(hidden, rms):
+    rows = 777
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    r = torch.randn_like(x)
+    w = torch.rand(hidden, device="cuda") + 0.5
+    b = None if rms else torch.randn(hidden, device="cuda")
+    poison_cuda_cache(x, x, x.float(), w)
+    out, total, mean, rstd = OPS.add_norm_forward(x, r, w, b, [hidden], 1e-5, rms, False, torch.float32)
+    for t in (out, total, rstd) + (() if rms else (mean,)):
+        assert torch.isfinite(t).all()
+    for memory_efficient in (False, True):
+        saved = out if memory_efficient else total
+        poison_cuda_cache(x, w, x.float())
+        grads = OPS.norm_backward(
+            torch.randn_like(out), saved, w, b, mean, rstd, [hidden], rms, memory_efficient, x.dtype, True, x
+        )
+        for t in grads:
+            assert torch.isfinite(t).all()
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("hidden", [1024, 1023], ids=["registers", "streaming"])
+def test_second_gpu(hidden):
+    """Tensors on cuda:1 while cuda:0 is current: results on cuda:1, equal to the CPU reference."""
+    assert torch.cuda.current_device() == 0
+    x_cpu = torch.randn(37, hidden)
+    w_cpu = torch.rand(hidden) + 0.5
+    b_cpu = torch.randn(hidden)
+    dy_cpu = torch.randn(37, hidden)
+    results = {}
+    for device in ("cpu", "cuda:1"):
+        x, w, b = (leaf(t.to(device)) for t in (x_cpu, w_cpu, b_cpu))
+        out = AF.fused_layer_norm_affine(x, w, b, hidden)
+        out.backward(dy_cpu.to(device))
+        assert out.device == torch.device(device) and x.grad.device == torch.device(device)
+        results[device] = [t.cpu() for t in (out, x.grad, w.grad, b.grad)]
+    for got, expected in zip(results["cuda:1"], results["cpu"]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert torch.cuda.current_device() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden", [384, 4096, 1023], ids=["warp-groups", "block-groups", "streaming"])
+def test_weight_gradients_are_deterministic(hidden):
+    x = leaf(torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16))
+    w = leaf(torch.rand(hidden, device="cuda") + 0.5)
+    b = leaf(torch.randn(hidden, device="cuda"))
+    dy = torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        out = AF.fused_layer_norm_affine(x, w, b, hidden)
+        runs.append(torch.autograd.grad(out, (x, w, b), dy))
+    for run in runs[1:]:
+        for a, e in zip(run, runs[0]):
+            assert torch.equal(a, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden", [4096, 4095], ids=["registers", "streaming"])
+def test_more_than_2_pow_31_elements(hidden):
+    rows = (1 << 31) // hidden + 3
+    x = leaf(torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16))
+    w = leaf(torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5)
+    dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    out = AF.fused_rms_norm_affine(x, w, hidden)
+    dx, dw = torch.autograd.grad(out, (x, w), dy)
+    # Rows past element 2^31 against float64.
+    for sl in (slice(0, 2), slice(rows - 2, rows)):
+        xs = x.detach()[sl].double()
+        rstd = torch.rsqrt(xs.square().mean(-1, keepdim=True) + 1e-6)
+        expected = xs * rstd * w.detach().double()
+        torch.testing.assert_close(out[sl].double(), expected, rtol=1.6e-2, atol=1.6e-2)
+        xs = leaf(xs)
+        ref = xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + 1e-6) * w.detach().double()
+        (gx,) = torch.autograd.grad(ref, xs, dy[sl].double())
+        torch.testing.assert_close(dx[sl].double(), gx, rtol=1.6e-2, atol=1.6e-2 * gx.abs().max().item())
+    # The weight gradient over all rows, in float32 chunks.
+    expected_dw = torch.zeros(hidden, device="cuda", dtype=torch.float64)
+    for start in range(0, rows, 65536):
+        xs = x.detach()[start : start + 65536].float()
+        xhat = xs * torch.rsqrt(xs.square().mean(-1, keepdim=True) + 1e-6)
+        expected_dw += (dy[start : start + 65536].float() * xhat).sum(0).double()
+    torch.testing.assert_close(dw.double(), expected_dw, rtol=1.6e-2, atol=1.6e-2 * expected_dw.abs().max().item())
+
+
+def test_ops_module_defines_three_ops():
+    for name in ("norm_forward", "add_norm_forward", "norm_backward"):
+        assert getattr(_ops, name).name() == f"apex_normalization::{name}"
