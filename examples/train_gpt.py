@@ -8,7 +8,9 @@ fused kernels as packages are installed:
 
 - gradient-norm clipping: apex-core's multi-tensor ops, without a host sync;
 - optimizer: ``apex.optimizers.FusedAdam`` if installed, else ``torch.optim.AdamW``;
-- norm layer: ``apex.normalization.FusedLayerNorm`` if installed, else ``torch.nn.LayerNorm``.
+- norm layer: ``apex.normalization.FusedLayerNorm`` if installed, else ``torch.nn.LayerNorm``;
+- mixed precision: ``apex.amp`` at ``--opt-level`` (O2 by default on a GPU) if installed, else
+  ``torch.autocast`` (``--precision``).
 
 It prints, per apex op family, the kernel tier that ran (aot, jit or reference and why), then
 the train and validation loss and throughput every ``--eval-interval`` steps, and finally a
@@ -16,6 +18,7 @@ text sample. The exit status is 0 only if the validation loss went down.
 
     python examples/train_gpt.py                  # CPU, or the GPU when there is one
     python examples/train_gpt.py --device cpu --steps 100 --eval-interval 25
+    python examples/train_gpt.py --opt-level O2 --precision bf16   # apex.amp, bf16 model
 
 The corpus is small (24 KB): much longer or larger runs memorize it, and the validation loss
 turns back up. Give ``--corpus`` a bigger text for those.
@@ -29,6 +32,7 @@ import functools
 import math
 import sys
 import time
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,17 +87,42 @@ def pick_norm() -> tuple[type[nn.Module], Choice]:
     return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", plugin_kernels("normalization"))
 
 
+def pick_amp(opt_level: str, precision: str, use_cuda: bool):
+    """apex.amp and the opt level to run it at (None: plain torch.autocast), and why."""
+    if opt_level == "auto" and precision == "fp32":
+        return None, None, Choice("amp", "off", note="--precision fp32")
+    if opt_level == "none":
+        return None, None, Choice("amp", "off", note="--opt-level none: torch.autocast per --precision")
+    try:
+        from apex import amp
+    except ImportError as exc:
+        if opt_level != "auto":
+            raise SystemExit(f"--opt-level {opt_level}, but apex.amp is not installed: {exc}") from exc
+        return None, None, Choice("amp", "off", note=f"apex.amp unavailable: {exc}")
+    if opt_level == "auto":
+        if not use_cuda:
+            return None, None, Choice("amp", "off", note="--opt-level auto: apex.amp on a GPU only (CPU stays fp32)")
+        opt_level = "O2"
+    return amp, opt_level, Choice("amp", f"apex.amp {opt_level}", plugin_kernels("core"))
+
+
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch.Tensor) -> torch.Tensor:
     """Scale ``grads`` in place so that their global L2 norm is at most ``max_norm``.
 
     The norm and the clip coefficient stay on the device: no ``.item()``, so the host keeps
-    queueing work. Returns the norm before clipping (a one-element device tensor).
+    queueing work. Returns the norm before clipping (a one-element device tensor). Gradients of
+    several dtypes (an amp model keeps some layers in fp32) go through the ops one dtype at a time.
     """
+    by_dtype = defaultdict(list)
+    for g in grads:
+        by_dtype[g.dtype].append(g)
     noop_flag.zero_()
-    total_norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, noop_flag, [grads], False)
+    norms = [multi_tensor_applier(amp_C.multi_tensor_l2norm, noop_flag, [gs], False)[0] for gs in by_dtype.values()]
+    total_norm = torch.linalg.vector_norm(torch.cat(norms)).reshape(1)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     # A tensor scale is read on the device; a float would need clip_coef.item(), a host sync.
-    multi_tensor_applier(amp_C.multi_tensor_scale, noop_flag, [grads, grads], clip_coef)
+    for gs in by_dtype.values():
+        multi_tensor_applier(amp_C.multi_tensor_scale, noop_flag, [gs, gs], clip_coef)
     return total_norm
 
 
@@ -266,9 +295,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--precision",
-        choices=("auto", "fp32", "bf16"),
+        choices=("auto", "fp32", "bf16", "fp16"),
         default="auto",
-        help="autocast dtype for the forward pass; auto = bf16 on a GPU that supports it, else fp32",
+        help="reduced-precision dtype (torch.autocast, or apex.amp's with --opt-level); auto = bf16 on a GPU "
+        "that supports it (and with apex.amp on the CPU), fp16 on other GPUs with apex.amp, else fp32",
+    )
+    p.add_argument(
+        "--opt-level",
+        choices=("auto", "none", "O0", "O1", "O2", "O3"),
+        default="auto",
+        help="apex.amp optimization level; auto = O2 on a GPU when apex.amp is installed, none (torch.autocast "
+        "per --precision) otherwise",
     )
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seed", type=int, default=1337)
@@ -290,6 +327,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--device cuda, but torch.cuda.is_available() is False")
     if args.steps < 1 or args.eval_interval < 1:
         p.error("--steps and --eval-interval must be positive")
+    if args.precision == "fp16" and args.opt_level == "none":
+        p.error("--precision fp16 needs loss scaling: use it with an --opt-level")
+    if args.precision == "fp32" and args.opt_level in ("O1", "O2", "O3"):
+        p.error(f"--opt-level {args.opt_level} computes in reduced precision: use --precision bf16/fp16, or O0")
     return args
 
 
@@ -309,14 +350,34 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and use_cuda and torch.cuda.is_bf16_supported())
-    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
+    amp, opt_level, amp_choice = pick_amp(args.opt_level, args.precision, use_cuda)
+    bf16_ok = not use_cuda or torch.cuda.is_bf16_supported()
+    if amp is not None:  # amp casts inside the model: no autocast around it
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
+        if args.precision == "auto":
+            half = torch.bfloat16 if bf16_ok else torch.float16
+        precision = "fp32" if half is None or opt_level == "O0" else {torch.bfloat16: "bf16"}.get(half, "fp16")
+        autocast = contextlib.nullcontext
+    else:
+        bf16 = args.precision == "bf16" or (args.precision == "auto" and use_cuda and bf16_ok)
+        precision = "bf16" if bf16 else "fp32"
+        autocast = (
+            functools.partial(torch.autocast, device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext
+        )
 
     data = CharData(args.corpus.read_text(encoding="utf-8"), device)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     norm, norm_choice = pick_norm()
     model = GPT(cfg, norm).to(device)
     optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr)
+    if amp is not None:
+        dtype_args = {}
+        if half is not None and opt_level in ("O2", "O3"):
+            dtype_args["cast_model_type"] = half
+        elif half is not None and opt_level == "O1":
+            dtype_args["autocast_dtype"] = half
+        model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, **dtype_args)
+        amp_choice.name += f" ({precision}, loss scale {amp._amp_state.opt_properties.loss_scale})"
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
     clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", plugin_kernels("core"))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -324,7 +385,8 @@ def main(argv=None) -> int:
 
     n_params = sum(p.numel() for p in params)
     device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
-    print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {'bf16' if bf16 else 'fp32'}")
+    mixed = f"apex.amp {opt_level}" if amp is not None else "torch.autocast" if precision != "fp32" else "none"
+    print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {precision} ({mixed})")
     print(
         f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
         f"train {len(data.splits['train'])} / val {len(data.splits['val'])}"
@@ -346,8 +408,15 @@ def main(argv=None) -> int:
             logits = model(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = clip_grad_norm_([p.grad for p in params], args.max_grad_norm, noop_flag)
+        if amp is None:
+            loss.backward()
+            grads = [p.grad for p in params]
+        else:
+            with amp.scale_loss(loss, optimizer) as scaled_loss:
+                scaled_loss.backward()
+            # Unscaled gradients of what the optimizer steps (amp's fp32 masters, where it keeps them).
+            grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
+        grad_norm = clip_grad_norm_(grads, args.max_grad_norm, noop_flag)
         optimizer.step()
         scheduler.step()
         return grad_norm
@@ -365,7 +434,7 @@ def main(argv=None) -> int:
             # with, and leave it out of the throughput.
             sync()
             print("apex pieces (kernel tier after the first step):")
-            for choice in (clip_choice, opt_choice, norm_choice):
+            for choice in (clip_choice, opt_choice, norm_choice, amp_choice):
                 if choice.kernels is not None:
                     print(describe_kernels(choice, device))
                 else:

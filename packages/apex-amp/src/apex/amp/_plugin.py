@@ -1,0 +1,10 @@
+from apex.core.descriptors import Plugin
+
+PLUGIN = Plugin(
+    name="amp",
+    distribution="apex-amp",
+    provides=("apex.amp", "apex.fp16_utils"),
+    kernel_library=None,
+    ops_module=None,
+    requires=("apex-core",),
+)
