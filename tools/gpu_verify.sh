@@ -31,6 +31,11 @@ $PY -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.versi
   | tee -a "$OUT/build.log"
 
 # 1. Build and install in dependency order; kernel packages compile their _C here (strict).
+# Pure packages build with hatchling, which CUDA images may lack: carry its wheels in .whl/
+# (see tools/fetch_build_wheels.sh) and they are installed here without any index.
+if ! $PY -c "import hatchling" 2>/dev/null && compgen -G ".whl/hatchling-*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --find-links .whl hatchling >>"$OUT/build.log" 2>&1
+fi
 has_hatchling=$($PY -c "import hatchling" 2>/dev/null && echo yes || echo no)
 while read -r kind folder; do
   start=$SECONDS
