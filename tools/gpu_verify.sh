@@ -73,7 +73,7 @@ $PY -m pytest packages -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "
 
 # 4. Benchmarks, one log (APEX_GPU_BENCH=0 skips them).
 : >"$OUT/benchmarks.log"
-for bench in packages/*/benchmarks/bench_*.py; do
+for bench in ${APEX_BENCH_GLOB:-packages/*/benchmarks/bench_*.py}; do
   [[ ${APEX_GPU_BENCH:-1} == 0 ]] && break
   [[ -e $bench ]] || continue
   echo "== $bench" | tee -a "$OUT/benchmarks.log"

@@ -37,7 +37,10 @@ def normalized_shape_tuple(normalized_shape) -> tuple:
 def _autocast_and_contiguous(*tensors):
     first = tensors[0]
     device_type = first.device.type
-    autocast = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    # is_autocast_available is not traceable by dynamo (torch 2.11); a compiled graph only runs on
+    # devices that have autocast anyway.
+    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    autocast = available and torch.is_autocast_enabled(device_type)
     dtype = torch.get_autocast_dtype(device_type) if autocast else None
     result = []
     for t in tensors:

@@ -136,7 +136,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             torch._foreach_add_(steps, 1.0)
         else:
-            torch._foreach_add_(steps, 1.0 - found_inf.reshape(()))
+            # A list of one-element tensors, not one 0-dim tensor: the (TensorList, Tensor)
+            # overload may read a 0-dim tensor on the host (a sync per step).
+            increment = 1.0 - found_inf.reshape(())
+            torch._foreach_add_(steps, [increment] * len(steps))
         return 0, steps[0]
 
     @staticmethod

@@ -295,10 +295,11 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
   return blocks;
 }
 
-// Lets `kernel` use `bytes` of dynamic shared memory (beyond the default 48 KiB) on the current
-// device; the attribute is set once per kernel, device and size.
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the attribute is set
+// once per kernel, device and size. Always set, not only past 48 KiB: the default limit counts
+// the kernel's static shared memory too, so 48 KiB of dynamic memory alone can exceed it.
 inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
-  if (bytes <= 48 * 1024) return;
+  if (bytes == 0) return;
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int>, size_t> allowed;
   const int device = at::cuda::current_device();

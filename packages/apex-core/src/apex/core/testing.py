@@ -1,0 +1,153 @@
+"""Running a function on several ranks of a real ``torch.distributed`` process group, for tests.
+
+``run_ranks(path, function, world_size, backend="gloo", args=(), timeout=120)`` starts
+``world_size`` fresh Python processes (spawn), each of which initializes the default process
+group (TCP rendezvous on a free local port), loads the file at ``path`` as a module and calls
+``function(rank, world_size, *args)``. It returns the list of the ranks' return values (which
+must pickle) in rank order, or raises ``RankFailed`` with the traceback of every rank that
+failed, or ``RankTimeout`` naming the ranks that had not finished after ``timeout`` seconds
+(the processes are killed: a hung collective ends the test instead of the session).
+
+Worker functions live in the test file itself: test modules are imported under names that a
+child process cannot import, so the child loads the file by path instead. With ``backend
+="nccl"`` rank r uses ``cuda:r``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised; the message holds each one's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Ranks did not finish within the timeout (a hang, or a rank waiting for a dead peer)."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(path: str):
+    name = "_apex_rank_module_" + Path(path).stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _child(rank, world_size, backend, port, path, function, args, results, collective_timeout) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
+        torch.distributed.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+            **kwargs,
+        )
+        try:
+            value = getattr(_load(path), function)(rank, world_size, *args)
+        finally:
+            torch.distributed.destroy_process_group()
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    path: str | os.PathLike,
+    function: str,
+    world_size: int,
+    backend: str = "gloo",
+    args: tuple = (),
+    timeout: float = 120.0,
+    collective_timeout: float | None = None,
+) -> list:
+    """Run ``function(rank, world_size, *args)`` from the file ``path`` on ``world_size`` ranks."""
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"run_ranks: backend nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [
+        context.Process(
+            target=_child,
+            args=(
+                rank,
+                world_size,
+                backend,
+                port,
+                str(path),
+                function,
+                args,
+                results,
+                collective_timeout if collective_timeout is not None else timeout,
+            ),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values, failures = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(values) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in failures]
+                for r in dead:
+                    if r not in values:
+                        failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
+                        deadline = min(deadline, time.monotonic() + 10.0)
+                continue
+            (values if ok else failures)[rank] = value
+            if failures:
+                # The others are likely blocked on the failed rank: give them a moment, no more.
+                deadline = min(deadline, time.monotonic() + 10.0)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures and len(values) == world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RankFailed("\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)))
+    missing = [r for r in range(world_size) if r not in values]
+    if missing:
+        raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
+    return [values[r] for r in range(world_size)]
