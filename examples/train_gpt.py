@@ -19,6 +19,12 @@ text sample. The exit status is 0 only if the validation loss went down.
     python examples/train_gpt.py                  # CPU, or the GPU when there is one
     python examples/train_gpt.py --device cpu --steps 100 --eval-interval 25
     python examples/train_gpt.py --opt-level O2 --precision bf16   # apex.amp, bf16 model
+    python examples/train_gpt.py --nproc 2 --steps 100              # data parallel on 2 processes
+
+With ``--nproc N`` (N > 1) the script starts N processes (NCCL with one GPU each when there are N
+GPUs, gloo on the CPU otherwise), wraps the model in ``apex.parallel.DistributedDataParallel``
+(after ``convert_syncbn_model`` where the model has batch norm; this GPT has none), gives each
+rank ``--batch-size / N`` of every batch, and prints from rank 0 only.
 
 The corpus is small (24 KB): much longer or larger runs memorize it, and the validation loss
 turns back up. Give ``--corpus`` a bigger text for those.
@@ -28,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import functools
 import math
+import os
+import socket
 import sys
 import time
 from collections import defaultdict
@@ -45,6 +54,7 @@ from apex.core.descriptors import KernelLibrary
 from apex.multi_tensor_apply import multi_tensor_applier
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
+builtins_print = print
 
 
 # Pluggable pieces --------------------------------------------------------------------------
@@ -322,9 +332,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sample-chars", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 samples greedily")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes with apex.parallel.DistributedDataParallel (NCCL with N GPUs, else gloo)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False")
+    if args.nproc < 1 or args.batch_size % args.nproc:
+        p.error(f"--batch-size {args.batch_size} must be a positive multiple of --nproc {args.nproc}")
+    if args.device == "cuda" and args.nproc > 1 and torch.cuda.device_count() < args.nproc:
+        p.error(f"--device cuda --nproc {args.nproc}, but only {torch.cuda.device_count()} GPUs are visible")
     if args.steps < 1 or args.eval_interval < 1:
         p.error("--steps and --eval-interval must be positive")
     if args.precision == "fp16" and args.opt_level == "none":
@@ -344,11 +364,62 @@ def lr_lambda(warmup: int, total: int):
     return factor
 
 
+def wants_cuda(args: argparse.Namespace) -> bool:
+    if args.nproc > 1 and args.device == "auto":  # one GPU per process, or all on the CPU
+        return torch.cuda.device_count() >= args.nproc
+    return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+
+
+def wrap_data_parallel(model: nn.Module) -> nn.Module:
+    """apex.parallel.DistributedDataParallel, after converting any batch norm to SyncBatchNorm."""
+    from apex.parallel import DistributedDataParallel, convert_syncbn_model
+
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        model = convert_syncbn_model(model)
+    # Reduced-precision parameters (apex.amp O2/O3) are summed in fp32.
+    reduced = any(p.dtype in (torch.float16, torch.bfloat16) for p in model.parameters())
+    return DistributedDataParallel(model, allreduce_always_fp32=reduced)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.nproc == 1:
+        return train(args)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    context = torch.multiprocessing.get_context("spawn")
+    status = context.Value("i", 1)
+    # A rank that raises makes spawn terminate the others, and the process group's timeout bounds
+    # every collective, so a failure ends the run instead of hanging it.
+    torch.multiprocessing.start_processes(
+        run_rank, args=(args, status), nprocs=args.nproc, join=True, start_method="spawn"
+    )
+    return status.value
+
+
+def run_rank(rank: int, args: argparse.Namespace, status) -> None:
+    backend = "nccl" if wants_cuda(args) else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.nproc))
+    torch.distributed.init_process_group(
+        backend, rank=rank, world_size=args.nproc, timeout=datetime.timedelta(minutes=5)
+    )
+    try:
+        code = train(args, rank, args.nproc)
+        if rank == 0:
+            status.value = code
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
+    print = builtins_print if rank == 0 else lambda *_, **__: None  # only rank 0 reports
     wall_start = time.perf_counter()
     torch.manual_seed(args.seed)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = wants_cuda(args)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     amp, opt_level, amp_choice = pick_amp(args.opt_level, args.precision, use_cuda)
     bf16_ok = not use_cuda or torch.cuda.is_bf16_supported()
@@ -378,6 +449,7 @@ def main(argv=None) -> int:
             dtype_args["autocast_dtype"] = half
         model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, **dtype_args)
         amp_choice.name += f" ({precision}, loss scale {amp._amp_state.opt_properties.loss_scale})"
+    net = wrap_data_parallel(model) if world > 1 else model  # trains; model evaluates and samples
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
     clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", plugin_kernels("core"))
     params = [p for p in model.parameters() if p.requires_grad]
@@ -387,6 +459,11 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
     mixed = f"apex.amp {opt_level}" if amp is not None else "torch.autocast" if precision != "fp32" else "none"
     print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {precision} ({mixed})")
+    if world > 1:
+        print(
+            f"data parallel: {world} processes ({torch.distributed.get_backend()}), "
+            f"apex.parallel.DistributedDataParallel, {args.batch_size // world} sequences per rank"
+        )
     print(
         f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
         f"train {len(data.splits['train'])} / val {len(data.splits['val'])}"
@@ -403,9 +480,11 @@ def main(argv=None) -> int:
         return evaluate(model, data, eval_windows, cfg.block_size, args.batch_size, autocast)
 
     def train_step() -> torch.Tensor:
-        x, y = data.batch("train", data.random_starts("train", args.batch_size, cfg.block_size, gen), cfg.block_size)
+        # Every rank draws the same global batch (same generator) and keeps its shard.
+        starts = data.random_starts("train", args.batch_size, cfg.block_size, gen).chunk(world)[rank]
+        x, y = data.batch("train", starts, cfg.block_size)
         with autocast():
-            logits = model(x)
+            logits = net(x)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
         optimizer.zero_grad(set_to_none=True)
         if amp is None:

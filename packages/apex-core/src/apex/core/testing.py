@@ -4,7 +4,7 @@
 ``world_size`` fresh Python processes (spawn), each of which initializes the default process
 group (TCP rendezvous on a free local port), loads the file at ``path`` as a module and calls
 ``function(rank, world_size, *args)``. It returns the list of the ranks' return values (which
-must pickle) in rank order, or raises ``RankFailed`` with the traceback of every rank that
+must pickle; tensors come back by value) in rank order, or raises ``RankFailed`` with the traceback of every rank that
 failed, or ``RankTimeout`` naming the ranks that had not finished after ``timeout`` seconds
 (the processes are killed: a hung collective ends the test instead of the session).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import os
+import pickle
 import queue as queue_module
 import socket
 import sys
@@ -79,8 +80,10 @@ def _child(rank, world_size, backend, port, path, function, args, results, colle
             value = getattr(_load(path), function)(rank, world_size, *args)
         finally:
             torch.distributed.destroy_process_group()
-        results.put((rank, True, value))
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
+        # Plain pickle: tensors travel by value. (The queue's own pickler would pass them as
+        # shared-memory handles, which die with this process.)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
 
@@ -135,7 +138,10 @@ def run_ranks(
                         failures[r] = f"rank {r} exited with code {procs[r].exitcode} without reporting"
                         deadline = min(deadline, time.monotonic() + 10.0)
                 continue
-            (values if ok else failures)[rank] = value
+            if ok:
+                values[rank] = pickle.loads(value)
+            else:
+                failures[rank] = value
             if failures:
                 # The others are likely blocked on the failed rank: give them a moment, no more.
                 deadline = min(deadline, time.monotonic() + 10.0)

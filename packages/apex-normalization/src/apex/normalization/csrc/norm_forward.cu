@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <optional>
 #include <tuple>
 
@@ -77,17 +78,61 @@ __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restri
   }
 }
 
-template <typename T, typename W, typename O, int kVecs>
+// Copies of the next tile's rows into shared memory, in flight while the current tile is
+// reduced and written (cp.async, 16 bytes each). Every thread copies exactly the vectors it will
+// read back itself, so no barrier is needed: waiting for its own copies is enough.
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// kPrefetch: the rows of the next tile are copied into shared memory (two buffers of
+// [groups][vectors] 16-byte vectors per source tensor: the input, and the residual if any)
+// while this tile is processed, so that loads stay in flight through the reductions.
+template <typename T, typename W, typename O, int kVecs, bool kPrefetch>
 __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const ForwardParams<T, W, O> p) {
   constexpr int kV = apex::vector_width<T, W, O>();
+  static_assert(sizeof(Vec<T, kV>) == 16, "T is the narrowest type: one 16-byte vector");
   __shared__ float sum_scratch[kMaxThreads / kWarp];
   __shared__ apex::Welford<float> welford_scratch[kMaxThreads / kWarp];
+  extern __shared__ uint4 staged[];
   const RowGroup g(p.group_threads);
   const int vectors = static_cast<int>(p.hidden / kV);
   const int64_t tiles = ceil_div(p.rows, g.count);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  const int sources = p.residual != nullptr ? 2 : 1;
+  // Buffer b of source s for this group: staged + ((b * sources + s) * g.count + g.index) * vectors.
+  auto buffer = [&](int b, int s) { return staged + (static_cast<int64_t>(b * sources + s) * g.count + g.index) * vectors; };
+  auto prefetch = [&](int64_t tile, int b) {
+    const int64_t row = tile * g.count + g.index;
+    if (tile < tiles && row < p.rows) {
+      const int64_t offset = row * p.hidden;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int v = g.lane + k * g.threads;
+        if (v < vectors) {
+          copy_async16(buffer(b, 0) + v, p.input + offset + v * kV);
+          if (p.residual != nullptr) copy_async16(buffer(b, 1) + v, p.residual + offset + v * kV);
+        }
+      }
+    }
+    copy_async_commit();  // possibly empty: every iteration commits one group
+  };
+  if constexpr (kPrefetch) prefetch(blockIdx.x, 0);
 
-  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+  int b = 0;
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, b ^= 1) {
+    if constexpr (kPrefetch) {
+      // Buffer b ^ 1 was read in the previous iteration, into registers that have been used since.
+      prefetch(tile + gridDim.x, b ^ 1);
+      copy_async_wait<1>();  // this tile's group has landed
+    }
     const int64_t row = tile * g.count + g.index;
     const bool row_valid = row < p.rows;
     const int64_t offset = row * p.hidden;
@@ -101,7 +146,11 @@ __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const Forwar
 #pragma unroll
       for (int j = 0; j < kV; ++j) x[k].val[j] = T(0.0f);
       if (valid[k]) {
-        x[k] = load_vec<T, kV>(p.input + offset + v * kV);
+        if constexpr (kPrefetch) {
+          *reinterpret_cast<uint4*>(&x[k]) = buffer(b, 0)[v];
+        } else {
+          x[k] = load_vec<T, kV>(p.input + offset + v * kV);
+        }
         count += kV;
       }
     }
@@ -110,8 +159,14 @@ __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const Forwar
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
         if (!valid[k]) continue;
-        const int64_t at = offset + (g.lane + k * g.threads) * kV;
-        const Vec<T, kV> r = load_vec<T, kV>(p.residual + at);
+        const int v = g.lane + k * g.threads;
+        const int64_t at = offset + v * kV;
+        Vec<T, kV> r;
+        if constexpr (kPrefetch) {
+          *reinterpret_cast<uint4*>(&r) = buffer(b, 1)[v];
+        } else {
+          r = load_vec<T, kV>(p.residual + at);
+        }
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           x[k].val[j] = static_cast<T>(static_cast<float>(x[k].val[j]) + static_cast<float>(r.val[j]));
@@ -267,6 +322,16 @@ __global__ void __launch_bounds__(kStreamingThreads) forward_streaming(const For
   }
 }
 
+// APEX_NORM_PREFETCH=0 never prefetches, 2 always does (tests and tuning); unset or 1: when a
+// block walks over more than one tile.
+inline int prefetch_mode() {
+  static const int mode = [] {
+    const char* value = std::getenv("APEX_NORM_PREFETCH");
+    return value == nullptr || value[0] == '\0' ? 1 : std::atoi(value);
+  }();
+  return mode;
+}
+
 template <typename T, typename W, typename O>
 void launch_forward(ForwardParams<T, W, O> p) {
   constexpr int kV = apex::vector_width<T, W, O>();
@@ -277,11 +342,29 @@ void launch_forward(ForwardParams<T, W, O> p) {
   if (aligned && p.hidden % kV == 0 && vectors <= static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
     p.group_threads = group_threads_for(vectors, kForwardVecs);
     const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
-    const auto kernel = forward_in_registers<T, W, O, kForwardVecs>;
-    const int64_t tiles = ceil_div(p.rows, block / p.group_threads);
-    const int64_t grid = std::min<int64_t>(tiles, static_cast<int64_t>(sm_count()) *
-                                                      resident_blocks(reinterpret_cast<const void*>(kernel), block, 0));
-    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
+    const int groups = block / p.group_threads;
+    const int64_t tiles = ceil_div(p.rows, groups);
+    const int sms = sm_count();
+    // Prefetching pays once blocks walk over several tiles; it needs two buffers per source.
+    const size_t smem = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
+    const auto plain = forward_in_registers<T, W, O, kForwardVecs, false>;
+    const auto prefetching = forward_in_registers<T, W, O, kForwardVecs, true>;
+    const size_t budget = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 2048;
+    bool prefetch = prefetch_mode() != 0 && smem <= budget;
+    int64_t resident = 0;
+    if (prefetch) {
+      allow_dynamic_smem(reinterpret_cast<const void*>(prefetching), smem);
+      resident = static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(prefetching), block, smem);
+      prefetch = prefetch_mode() == 2 || tiles > resident;
+    }
+    if (prefetch) {
+      const int64_t grid = std::min<int64_t>(tiles, resident);
+      prefetching<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
+    } else {
+      const int64_t grid = std::min<int64_t>(
+          tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(plain), block, 0));
+      plain<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
+    }
   } else {
     const int block = streaming_threads_for(p.hidden, kV);
     const auto kernel = forward_streaming<T, W, O>;

@@ -1,0 +1,521 @@
+// The backward kernels of SyncBatchNorm. See _reference.reduce_bn / batch_norm_backward /
+// relu_backward.
+//
+// - reduce_bn[_c_last]: per channel sum_dy and sum_dy_xmu (and the local weight gradients),
+//   reading x and dy once; the same block layout and chunking as the Welford kernels, with
+//   partial sums merged in chunk order (deterministic);
+// - batch_norm_backward[_c_last]: dx from x, dy and the group's sums: one read of each, one
+//   write, as the forward kernels;
+// - relu_backward_c_last: dy masked where the recomputed pre-activation bn(x) + z <= 0.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "syncbn_common.cuh"
+
+namespace apex_parallel {
+namespace {
+
+template <typename W>
+struct SumsOut {
+  float* sum_dy;  // [C]
+  float* sum_dy_xmu;
+  W* grad_weight;  // [C] or null
+  W* grad_bias;
+  const float* invstd;
+  float2* partial;  // [chunks, C] or null
+};
+
+template <typename W>
+__device__ __forceinline__ void write_sums(const SumsOut<W>& out, float dy, float dy_xmu, int64_t chunk, int64_t c,
+                                           int64_t channels) {
+  if (out.partial != nullptr) {
+    out.partial[chunk * channels + c] = make_float2(dy, dy_xmu);
+    return;
+  }
+  out.sum_dy[c] = dy;
+  out.sum_dy_xmu[c] = dy_xmu;
+  if (out.grad_weight != nullptr) {
+    out.grad_weight[c] = static_cast<W>(dy_xmu * out.invstd[c]);
+    out.grad_bias[c] = static_cast<W>(dy);
+  }
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+    reduce_channels_first(const T* __restrict__ grad_output, const T* __restrict__ input,
+                          const float* __restrict__ mean, int64_t channels, int64_t plane_units, int64_t units,
+                          int64_t per_chunk, PlaneStep step, SumsOut<W> out) {
+  __shared__ float shared[apex::kWarpSize];
+  const int64_t c = blockIdx.x;
+  const int64_t chunk = blockIdx.y;
+  const int64_t begin = chunk * per_chunk;
+  const int64_t end = begin + per_chunk < units ? begin + per_chunk : units;
+  const float m = mean[c];
+  float sum_dy = 0.0f;
+  float sum_dy_xmu = 0.0f;
+  int64_t j = begin + threadIdx.x;
+  PlaneCursor cursor{j / plane_units, j % plane_units};
+  const int64_t plane = plane_units * V;
+  for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
+    float x[kUnroll][V];
+    float dy[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * static_cast<int64_t>(blockDim.x) < end) {
+        const int64_t offset = (cursor.n * channels + c) * plane + cursor.l * V;
+        load_floats<V>(x[u], input + offset);
+        load_floats<V>(dy[u], grad_output + offset);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = 0.0f;
+      }
+      cursor.advance(step, plane_units);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        sum_dy += dy[u][k];
+        sum_dy_xmu += dy[u][k] * (x[u][k] - m);
+      }
+    }
+  }
+  sum_dy = apex::block_sum(sum_dy, shared);
+  sum_dy_xmu = apex::block_sum(sum_dy_xmu, shared);
+  if (threadIdx.x == 0) write_sums(out, sum_dy, sum_dy_xmu, chunk, c, channels);
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+    reduce_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input,
+                         const float* __restrict__ mean, int64_t rows, int64_t channels, SumsOut<W> out) {
+  __shared__ float2 shared[kThreads * V];
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool active = cu * V < channels;
+  float m[V];
+  float2 sums[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    m[k] = active ? mean[cu * V + k] : 0.0f;
+    sums[k] = make_float2(0.0f, 0.0f);
+  }
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
+       r += kUnroll * row_step) {
+    float x[kUnroll][V];
+    float dy[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * row_step < rows) {
+        const int64_t offset = (r + u * row_step) * channels + cu * V;
+        load_floats<V>(x[u], input + offset);
+        load_floats<V>(dy[u], grad_output + offset);
+      } else {
+#pragma unroll
+        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        sums[k].x += dy[u][k];
+        sums[k].y += dy[u][k] * (x[u][k] - m[k]);
+      }
+    }
+  }
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+  for (int k = 0; k < V; ++k) shared[slot + k] = sums[k];
+  for (int half = blockDim.y / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.y < half) {
+      const int other = slot + half * blockDim.x * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        shared[slot + k].x += shared[other + k].x;
+        shared[slot + k].y += shared[other + k].y;
+      }
+    }
+  }
+  if (threadIdx.y == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      write_sums(out, shared[slot + k].x, shared[slot + k].y, blockIdx.y, cu * V + k, channels);
+    }
+  }
+}
+
+template <typename W>
+__global__ void sums_finalize(int64_t chunks, int64_t channels, SumsOut<W> out) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= channels) return;
+  float dy = 0.0f;
+  float dy_xmu = 0.0f;
+  for (int64_t k = 0; k < chunks; ++k) {
+    const float2 s = out.partial[k * channels + c];
+    dy += s.x;
+    dy_xmu += s.y;
+  }
+  SumsOut<W> final_out = out;
+  final_out.partial = nullptr;
+  write_sums(final_out, dy, dy_xmu, 0, c, channels);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op, const at::Tensor& grad_output,
+                                                                  const at::Tensor& input, const at::Tensor& mean,
+                                                                  const at::Tensor& invstd,
+                                                                  const std::optional<at::Tensor>& weight,
+                                                                  bool channel_last) {
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
+  checks::like_input(op, "grad_output", grad_output, input);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const auto f32 = input.options().dtype(at::kFloat);
+  const at::Tensor* w = optional_tensor(weight);
+  const int64_t numel = input.numel();
+  if (numel == 0) {
+    at::Tensor grad_weight = w != nullptr ? at::zeros({channels}, w->options()) : at::empty({0}, f32);
+    at::Tensor grad_bias = w != nullptr ? at::zeros({channels}, w->options()) : at::empty({0}, f32);
+    return {at::zeros({channels}, f32), at::zeros({channels}, f32), grad_weight, grad_bias};
+  }
+  at::Tensor sum_dy = at::empty({channels}, f32);
+  at::Tensor sum_dy_xmu = at::empty({channels}, f32);
+  at::Tensor grad_weight = w != nullptr ? at::empty({channels}, w->options()) : at::empty({0}, f32);
+  at::Tensor grad_bias = w != nullptr ? at::empty({channels}, w->options()) : at::empty({0}, f32);
+  at::Tensor partial;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t per_channel = numel / channels;
+  dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    const T* x = static_cast<const T*>(input.const_data_ptr());
+    const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
+    SumsOut<W> out{sum_dy.data_ptr<float>(),
+                   sum_dy_xmu.data_ptr<float>(),
+                   w != nullptr ? static_cast<W*>(grad_weight.data_ptr()) : nullptr,
+                   w != nullptr ? static_cast<W*>(grad_bias.data_ptr()) : nullptr,
+                   invstd.const_data_ptr<float>(),
+                   nullptr};
+    auto finish = [&](int64_t chunks) {
+      if (chunks <= 1) return;
+      sums_finalize<W><<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(chunks, channels,
+                                                                                                     out);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    auto partials = [&](int64_t chunks) {
+      if (chunks <= 1) return;
+      partial = at::empty({chunks * channels * 2}, f32);
+      out.partial = reinterpret_cast<float2*>(partial.data_ptr<float>());
+    };
+    if (!channel_last) {
+      const int64_t plane = per_channel / input.size(0);
+      dispatch_vector<T>(pick_vector<T>(plane, {x, dy}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t plane_units = plane / V;
+        const int64_t units = input.size(0) * plane_units;
+        const int64_t chunks = chunks_for(channels, units, static_cast<int64_t>(kThreads) * kUnroll);
+        partials(chunks);
+        const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
+        reduce_channels_first<T, W, V><<<grid, kThreads, 0, stream>>>(dy, x, mean.const_data_ptr<float>(), channels,
+                                                                       plane_units, units, ceil_div(units, chunks),
+                                                                       plane_step(kThreads, plane_units), out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        finish(chunks);
+      });
+    } else {
+      dispatch_vector<T>(pick_vector<T>(channels, {x, dy}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t rows = per_channel;
+        const TileShape tile = tile_shape(channels / V);
+        const int64_t tiles = ceil_div(channels / V, tile.bx);
+        const int64_t chunks =
+            std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll), 65535);
+        partials(chunks);
+        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
+        reduce_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
+            dy, x, mean.const_data_ptr<float>(), rows, channels, out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        finish(chunks);
+      });
+    }
+  });
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_cuda(const at::Tensor& grad_output,
+                                                                          const at::Tensor& input,
+                                                                          const at::Tensor& mean,
+                                                                          const at::Tensor& invstd,
+                                                                          const std::optional<at::Tensor>& weight) {
+  return reduce("reduce_bn", grad_output, input, mean, invstd, weight, false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_c_last_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+    const std::optional<at::Tensor>& weight) {
+  return reduce("reduce_bn_c_last", grad_output, input, mean, invstd, weight, true);
+}
+
+// batch_norm_backward -------------------------------------------------------------------------
+
+template <typename T, typename W>
+struct BackwardParams {
+  const T* grad_output;
+  const T* input;
+  const float* mean;
+  const float* invstd;
+  const W* weight;  // may be null
+  const float* sum_dy;
+  const float* sum_dy_xmu;
+  const float* count;
+  int64_t count_size;
+  int64_t count_stride;
+  T* grad_input;
+};
+
+// Per channel: dx = (dy - mean_dy - (x - mean) * factor) * scale.
+struct BackwardCoefficients {
+  float mean;
+  float mean_dy;
+  float factor;
+  float scale;
+};
+
+template <typename T, typename W>
+__device__ __forceinline__ BackwardCoefficients coefficients(const BackwardParams<T, W>& p, int64_t c,
+                                                             float inv_count) {
+  const float invstd = p.invstd[c];
+  BackwardCoefficients k;
+  k.mean = p.mean[c];
+  k.mean_dy = p.sum_dy[c] * inv_count;
+  k.factor = invstd * invstd * p.sum_dy_xmu[c] * inv_count;
+  k.scale = invstd * load_or(p.weight, c, 1.0f);
+  return k;
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+    backward_channels_first(BackwardParams<T, W> p, int64_t channels, int64_t plane_units, int64_t units,
+                            ChannelStep step) {
+  __shared__ float shared[apex::kWarpSize];
+  const float inv_count = 1.0f / block_count(p.count, p.count_size, p.count_stride, shared);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  ChannelCursor cursor{(j / plane_units) % channels, j % plane_units};
+  for (; j < units; j += kUnroll * stride) {
+    float x[kUnroll][V];
+    float dy[kUnroll][V];
+    int64_t c[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      c[u] = cursor.c;
+      if (j + u * stride < units) {
+        load_floats<V>(x[u], p.input + (j + u * stride) * V);
+        load_floats<V>(dy[u], p.grad_output + (j + u * stride) * V);
+      }
+      cursor.advance(step, plane_units, channels);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * stride >= units) continue;
+      const BackwardCoefficients k = coefficients(p, c[u], inv_count);
+      float dx[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) dx[e] = (dy[u][e] - k.mean_dy - (x[u][e] - k.mean) * k.factor) * k.scale;
+      store_floats<V>(p.grad_input + (j + u * stride) * V, dx);
+    }
+  }
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParams<T, W> p, int64_t rows,
+                                                                   int64_t channels) {
+  __shared__ float shared[apex::kWarpSize];
+  const float inv_count = 1.0f / block_count(p.count, p.count_size, p.count_stride, shared);
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (cu * V >= channels) return;
+  BackwardCoefficients k[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) k[e] = coefficients(p, cu * V + e, inv_count);
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
+    float x[kUnroll][V];
+    float dy[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * row_step < rows) {
+        const int64_t offset = (r + u * row_step) * channels + cu * V;
+        load_floats<V>(x[u], p.input + offset);
+        load_floats<V>(dy[u], p.grad_output + offset);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * row_step >= rows) continue;
+      float dx[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        dx[e] = (dy[u][e] - k[e].mean_dy - (x[u][e] - k[e].mean) * k[e].factor) * k[e].scale;
+      }
+      store_floats<V>(p.grad_input + (r + u * row_step) * channels + cu * V, dx);
+    }
+  }
+}
+
+at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+                    const at::Tensor& sum_dy_xmu, const at::Tensor& count, bool channel_last) {
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
+  checks::like_input(op, "grad_output", grad_output, input);
+  checks::channel_stat(op, "sum_dy", sum_dy, channels, input.device());
+  checks::channel_stat(op, "sum_dy_xmu", sum_dy_xmu, channels, input.device());
+  checks::count(op, count, input.device());
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  at::Tensor grad_input = at::empty(input.sizes(), input.options());
+  const int64_t numel = input.numel();
+  if (numel == 0) return grad_input;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    BackwardParams<T, W> p{};
+    p.grad_output = static_cast<const T*>(grad_output.const_data_ptr());
+    p.input = static_cast<const T*>(input.const_data_ptr());
+    p.mean = mean.const_data_ptr<float>();
+    p.invstd = invstd.const_data_ptr<float>();
+    p.weight = optional_ptr<W>(weight);
+    p.sum_dy = sum_dy.const_data_ptr<float>();
+    p.sum_dy_xmu = sum_dy_xmu.const_data_ptr<float>();
+    p.count = count.const_data_ptr<float>();
+    p.count_size = count.size(0);
+    p.count_stride = count.stride(0);
+    p.grad_input = static_cast<T*>(grad_input.data_ptr());
+    if (!channel_last) {
+      const int64_t plane = numel / (input.size(0) * channels);
+      dispatch_vector<T>(pick_vector<T>(plane, {p.input, p.grad_output, p.grad_input}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t plane_units = plane / V;
+        const int64_t units = numel / V;
+        const int64_t grid = std::min(ceil_div(units, static_cast<int64_t>(kThreads) * kUnroll), full_grid());
+        backward_channels_first<T, W, V><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+            p, channels, plane_units, units, channel_step(grid * kThreads, plane_units, channels));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.grad_output, p.grad_input}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t rows = numel / channels;
+        const TileShape tile = tile_shape(channels / V);
+        const int64_t tiles = ceil_div(channels / V, tile.bx);
+        const int64_t row_blocks = std::min<int64_t>(
+            {ceil_div(rows, static_cast<int64_t>(tile.by) * kUnroll), ceil_div(full_grid(), tiles), 65535});
+        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
+        backward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(p, rows, channels);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+  });
+  return grad_input;
+}
+
+at::Tensor batch_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                    const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
+  return backward("batch_norm_backward", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count, false);
+}
+
+at::Tensor batch_norm_backward_c_last_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                           const at::Tensor& mean, const at::Tensor& invstd,
+                                           const std::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+                                           const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
+  return backward("batch_norm_backward_c_last", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count,
+                  true);
+}
+
+// relu_backward_c_last ------------------------------------------------------------------------
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+    relu_backward_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input,
+                                const T* __restrict__ z, const float* __restrict__ mean,
+                                const float* __restrict__ invstd, const W* __restrict__ weight,
+                                const W* __restrict__ bias, T* __restrict__ grad, int64_t rows, int64_t channels) {
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (cu * V >= channels) return;
+  float m[V], scale[V], shift[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t c = cu * V + k;
+    m[k] = mean[c];
+    scale[k] = invstd[c] * load_or(weight, c, 1.0f);
+    shift[k] = load_or(bias, c, 0.0f);
+  }
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += row_step) {
+    const int64_t offset = r * channels + cu * V;
+    float x[V], dy[V], zv[V];
+    load_floats<V>(x, input + offset);
+    load_floats<V>(dy, grad_output + offset);
+    if (z != nullptr) load_floats<V>(zv, z + offset);
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float y = (x[k] - m[k]) * scale[k] + shift[k];
+      if (z != nullptr) y += zv[k];
+      dy[k] = y > 0.0f ? dy[k] : 0.0f;
+    }
+    store_floats<V>(grad + offset, dy);
+  }
+}
+
+at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                     const std::optional<at::Tensor>& z, const at::Tensor& mean,
+                                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                     const std::optional<at::Tensor>& bias) {
+  const char* op = "relu_backward_c_last";
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, bias, true);
+  checks::like_input(op, "grad_output", grad_output, input);
+  const at::Tensor* zt = optional_tensor(z);
+  if (zt != nullptr) checks::like_input(op, "z", *zt, input);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  at::Tensor grad = at::empty(input.sizes(), input.options());
+  const int64_t numel = input.numel();
+  if (numel == 0) return grad;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    const T* x = static_cast<const T*>(input.const_data_ptr());
+    const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
+    const T* zp = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
+    T* out = static_cast<T*>(grad.data_ptr());
+    dispatch_vector<T>(pick_vector<T>(channels, {x, dy, zp, out}), [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      const int64_t rows = numel / channels;
+      const TileShape tile = tile_shape(channels / V);
+      const int64_t tiles = ceil_div(channels / V, tile.bx);
+      const int64_t row_blocks =
+          std::min<int64_t>({ceil_div(rows, static_cast<int64_t>(tile.by)), ceil_div(full_grid(), tiles), 65535});
+      const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
+      relu_backward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
+          dy, x, zp, mean.const_data_ptr<float>(), invstd.const_data_ptr<float>(), optional_ptr<W>(weight),
+          optional_ptr<W>(bias), out, rows, channels);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+}  // namespace apex_parallel
+
+TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
+  m.impl("reduce_bn", &apex_parallel::reduce_bn_cuda);
+  m.impl("reduce_bn_c_last", &apex_parallel::reduce_bn_c_last_cuda);
+  m.impl("batch_norm_backward", &apex_parallel::batch_norm_backward_cuda);
+  m.impl("batch_norm_backward_c_last", &apex_parallel::batch_norm_backward_c_last_cuda);
+  m.impl("relu_backward_c_last", &apex_parallel::relu_backward_c_last_cuda);
+}

@@ -1,0 +1,170 @@
+// batch_norm_forward (channels-first) and batch_norm_forward_c_last (with optional z and ReLU):
+// y = (x - mean) * invstd * weight + bias [+ z] [relu], one read of x (and z), one write of y.
+// See _reference.batch_norm_forward.
+//
+// Channels-first: a grid-stride walk over all units with a cursor that tracks the channel
+// (no division per element); per-channel values come through the L1 cache. Channels-last:
+// each thread owns V channels for all its rows and keeps their scale and shift in registers.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "syncbn_common.cuh"
+
+namespace apex_parallel {
+namespace {
+
+template <typename T, typename W>
+struct ForwardParams {
+  const T* input;
+  const T* z;  // may be null (channels-last only)
+  const float* mean;
+  const float* invstd;
+  const W* weight;  // may be null
+  const W* bias;    // may be null
+  T* output;
+  bool relu;
+};
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads)
+    forward_channels_first(ForwardParams<T, W> p, int64_t channels, int64_t plane_units, int64_t units,
+                           ChannelStep step) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  ChannelCursor cursor{(j / plane_units) % channels, j % plane_units};
+  for (; j < units; j += kUnroll * stride) {
+    float x[kUnroll][V];
+    int64_t c[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      c[u] = cursor.c;
+      if (j + u * stride < units) load_floats<V>(x[u], p.input + (j + u * stride) * V);
+      cursor.advance(step, plane_units, channels);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (j + u * stride >= units) continue;
+      const float mean = p.mean[c[u]];
+      const float scale = p.invstd[c[u]] * load_or(p.weight, c[u], 1.0f);
+      const float shift = load_or(p.bias, c[u], 0.0f);
+      float y[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) y[k] = (x[u][k] - mean) * scale + shift;
+      store_floats<V>(p.output + (j + u * stride) * V, y);
+    }
+  }
+}
+
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(kThreads) forward_channels_last(ForwardParams<T, W> p, int64_t rows,
+                                                                  int64_t channels) {
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (cu * V >= channels) return;
+  float mean[V], scale[V], shift[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const int64_t c = cu * V + k;
+    mean[k] = p.mean[c];
+    scale[k] = p.invstd[c] * load_or(p.weight, c, 1.0f);
+    shift[k] = load_or(p.bias, c, 0.0f);
+  }
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
+    float x[kUnroll][V];
+    float z[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t offset = (r + u * row_step) * channels + cu * V;
+      if (r + u * row_step < rows) {
+        load_floats<V>(x[u], p.input + offset);
+        if (p.z != nullptr) load_floats<V>(z[u], p.z + offset);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (r + u * row_step >= rows) continue;
+      float y[V];
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        float v = (x[u][k] - mean[k]) * scale[k] + shift[k];
+        if (p.z != nullptr) v += z[u][k];
+        y[k] = p.relu && v <= 0.0f ? 0.0f : v;
+      }
+      store_floats<V>(p.output + (r + u * row_step) * channels + cu * V, y);
+    }
+  }
+}
+
+at::Tensor forward(const char* op, const at::Tensor& input, const std::optional<at::Tensor>& z,
+                   const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, bool fuse_relu, bool channel_last) {
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, bias, channel_last);
+  const at::Tensor* zt = optional_tensor(z);
+  if (zt != nullptr) checks::like_input(op, "z", *zt, input);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  at::Tensor output = at::empty(input.sizes(), input.options());
+  const int64_t numel = input.numel();
+  if (numel == 0) return output;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
+    using T = typename decltype(t)::type;
+    using W = typename decltype(wt)::type;
+    ForwardParams<T, W> p{};
+    p.input = static_cast<const T*>(input.const_data_ptr());
+    p.z = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
+    p.mean = mean.const_data_ptr<float>();
+    p.invstd = invstd.const_data_ptr<float>();
+    p.weight = optional_ptr<W>(weight);
+    p.bias = optional_ptr<W>(bias);
+    p.output = static_cast<T*>(output.data_ptr());
+    p.relu = fuse_relu;
+    if (!channel_last) {
+      const int64_t plane = numel / (input.size(0) * channels);
+      dispatch_vector<T>(pick_vector<T>(plane, {p.input, p.output}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t plane_units = plane / V;
+        const int64_t units = numel / V;
+        const int64_t grid = std::min(ceil_div(units, static_cast<int64_t>(kThreads) * kUnroll), full_grid());
+        forward_channels_first<T, W, V><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
+            p, channels, plane_units, units, channel_step(grid * kThreads, plane_units, channels));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    } else {
+      dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.z, p.output}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t rows = numel / channels;
+        const TileShape tile = tile_shape(channels / V);
+        const int64_t tiles = ceil_div(channels / V, tile.bx);
+        const int64_t row_blocks = std::min<int64_t>(
+            {ceil_div(rows, static_cast<int64_t>(tile.by) * kUnroll), ceil_div(full_grid(), tiles), 65535});
+        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
+        forward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(p, rows, channels);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    }
+  });
+  return output;
+}
+
+at::Tensor batch_norm_forward_cuda(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
+                                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
+  return forward("batch_norm_forward", input, std::nullopt, mean, invstd, weight, bias, false, false);
+}
+
+at::Tensor batch_norm_forward_c_last_cuda(const at::Tensor& input, const std::optional<at::Tensor>& z,
+                                          const at::Tensor& mean, const at::Tensor& invstd,
+                                          const std::optional<at::Tensor>& weight,
+                                          const std::optional<at::Tensor>& bias, bool fuse_relu) {
+  return forward("batch_norm_forward_c_last", input, z, mean, invstd, weight, bias, fuse_relu, true);
+}
+
+}  // namespace
+}  // namespace apex_parallel
+
+TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
+  m.impl("batch_norm_forward", &apex_parallel::batch_norm_forward_cuda);
+  m.impl("batch_norm_forward_c_last", &apex_parallel::batch_norm_forward_c_last_cuda);
+}

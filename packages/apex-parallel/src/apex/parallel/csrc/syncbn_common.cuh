@@ -1,0 +1,350 @@
+// Shared by the SyncBatchNorm kernels of apex-parallel: argument checks worded like
+// apex/parallel/_ops.py, dtype and vector-width dispatch, the walk over a channels-first
+// tensor, per-thread Welford batches, and launch helpers. The math is specified by
+// apex/parallel/_reference.py.
+//
+// Layouts. Channels-first: (N, C, L) contiguous, L the product of the spatial sizes; a "unit"
+// is V consecutive elements of one (n, c) plane (V divides L). Channels-last: (M, C)
+// contiguous; a unit is V consecutive channels of one row (V divides C). Per-channel
+// reductions write one partial per (chunk, channel), [chunks, C], merged in chunk order by a
+// second kernel when there is more than one chunk: deterministic, no atomics.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/ScalarType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+#include <apex/checks.h>
+#include <apex/dispatch.h>
+#include <apex/reductions.cuh>
+#include <apex/vectorized.cuh>
+#include <apex/welford.cuh>
+
+namespace apex_parallel {
+
+constexpr int kThreads = 256;
+// Units each thread loads before it uses any (memory-level parallelism).
+constexpr int kUnroll = 4;
+// Upper bound on the chunks one channel's reduction is split into.
+constexpr int64_t kMaxChunks = 1024;
+
+// Argument checks ---------------------------------------------------------------------------
+
+namespace checks {
+
+inline std::string torch_dtype(c10::ScalarType dtype) { return "torch." + apex::checks::dtype_name(dtype); }
+
+inline std::string channels_shape(int64_t channels) { return "(" + std::to_string(channels) + ",)"; }
+
+inline void placed(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, op, ": ", name, " has layout ", t.layout(),
+                    "; only dense (strided) tensors are supported");
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
+}
+
+inline void dense(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  placed(op, name, t, device);
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
+}
+
+// Returns the number of channels.
+inline int64_t input(const char* op, const at::Tensor& t, bool channel_last) {
+  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, t.scalar_type()), op, ": input has dtype ",
+                   torch_dtype(t.scalar_type()), "; expected one of float32, float16, bfloat16");
+  TORCH_CHECK_VALUE(t.dim() >= 2, op, ": input must have at least 2 dimensions, got shape ",
+                    apex::checks::shape_string(t.sizes()));
+  dense(op, "input", t, t.device());
+  return channel_last ? t.size(-1) : t.size(1);
+}
+
+inline void like_input(const char* op, const char* name, const at::Tensor& t, const at::Tensor& input) {
+  TORCH_CHECK_TYPE(t.scalar_type() == input.scalar_type(), op, ": ", name, " has dtype ", torch_dtype(t.scalar_type()),
+                   " but input has ", torch_dtype(input.scalar_type()));
+  TORCH_CHECK_VALUE(t.sizes().equals(input.sizes()), op, ": ", name, " has shape ",
+                    apex::checks::shape_string(t.sizes()), " but input has ",
+                    apex::checks::shape_string(input.sizes()));
+  dense(op, name, t, input.device());
+}
+
+inline void channel_stat(const char* op, const char* name, const at::Tensor& t, int64_t channels,
+                         c10::Device device) {
+  TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": ", name, " has dtype ", torch_dtype(t.scalar_type()),
+                   "; expected torch.float32");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == channels, op, ": ", name, " has shape ",
+                    apex::checks::shape_string(t.sizes()), ", expected ", channels_shape(channels));
+  dense(op, name, t, device);
+}
+
+inline void affine(const char* op, c10::ScalarType input_dtype, c10::Device device,
+                   const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, int64_t channels) {
+  const bool has_weight = weight.has_value() && weight->defined();
+  if (has_weight) {
+    const auto dtype = weight->scalar_type();
+    TORCH_CHECK_TYPE(dtype == input_dtype || dtype == c10::kFloat, op, ": weight has dtype ", torch_dtype(dtype),
+                     " but the input has ", torch_dtype(input_dtype), "; weight must be ",
+                     input_dtype == c10::kFloat ? "float32" : apex::checks::dtype_name(input_dtype) + " or float32");
+    TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == channels, op, ": weight has shape ",
+                      apex::checks::shape_string(weight->sizes()), ", expected ", channels_shape(channels));
+    dense(op, "weight", *weight, device);
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK_VALUE(has_weight, op, ": bias given without weight");
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight->scalar_type(), op, ": bias has dtype ",
+                     torch_dtype(bias->scalar_type()), " but weight has ", torch_dtype(weight->scalar_type()));
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == channels, op, ": bias has shape ",
+                      apex::checks::shape_string(bias->sizes()), ", expected ", channels_shape(channels));
+    dense(op, "bias", *bias, device);
+  }
+}
+
+inline void count(const char* op, const at::Tensor& t, c10::Device device) {
+  TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": count has dtype ", torch_dtype(t.scalar_type()),
+                   "; expected torch.float32");
+  TORCH_CHECK_VALUE(t.dim() == 1, op, ": count must be 1-D (one count per rank), got shape ",
+                    apex::checks::shape_string(t.sizes()));
+  placed(op, "count", t, device);
+}
+
+// input, mean, invstd, weight and bias; returns the number of channels.
+inline int64_t stats(const char* op, const at::Tensor& input_, const at::Tensor& mean, const at::Tensor& invstd,
+                     const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                     bool channel_last) {
+  const int64_t channels = input(op, input_, channel_last);
+  channel_stat(op, "mean", mean, channels, input_.device());
+  channel_stat(op, "invstd", invstd, channels, input_.device());
+  affine(op, input_.scalar_type(), input_.device(), weight, bias, channels);
+  return channels;
+}
+
+}  // namespace checks
+
+inline const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+template <typename T>
+inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
+  const at::Tensor* tensor = optional_tensor(t);
+  return tensor != nullptr ? static_cast<const T*>(tensor->const_data_ptr()) : nullptr;
+}
+
+// Dtype and vector-width dispatch -----------------------------------------------------------
+
+// Calls f(TypeTag<T>, TypeTag<W>): T the input's type, W the weight's (float without a weight).
+template <typename F>
+void dispatch_input_weight(const char* op, c10::ScalarType input, const std::optional<at::Tensor>& weight, F&& f) {
+  const at::Tensor* w = optional_tensor(weight);
+  const bool float_weight = w == nullptr || w->scalar_type() == c10::kFloat;
+  apex::dispatch_float_types(input, op, "input", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (float_weight || std::is_same_v<T, float>) {
+      f(tag, apex::TypeTag<float>{});
+    } else {
+      f(tag, apex::TypeTag<T>{});
+    }
+  });
+}
+
+template <typename T>
+constexpr int max_vector() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// The widest V <= 16 bytes of T that divides `inner` and to which every pointer is aligned.
+template <typename T>
+inline int pick_vector(int64_t inner, std::initializer_list<const void*> pointers) {
+  for (int v = max_vector<T>(); v > 1; v /= 2) {
+    bool ok = inner % v == 0;
+    for (const void* p : pointers) ok = ok && (p == nullptr || reinterpret_cast<uintptr_t>(p) % (v * sizeof(T)) == 0);
+    if (ok) return v;
+  }
+  return 1;
+}
+
+// Calls f(std::integral_constant<int, V>) for the run-time width v (a power of two).
+template <typename T, typename F>
+void dispatch_vector(int v, F&& f) {
+  if constexpr (max_vector<T>() >= 8) {
+    if (v == 8) return f(std::integral_constant<int, 8>{});
+  }
+  if (v == 4) return f(std::integral_constant<int, 4>{});
+  if (v == 2) return f(std::integral_constant<int, 2>{});
+  f(std::integral_constant<int, 1>{});
+}
+
+// Vector access -----------------------------------------------------------------------------
+
+template <int V, typename T>
+__device__ __forceinline__ void load_floats(float (&dst)[V], const T* p) {
+  if constexpr (V == 1) {
+    dst[0] = static_cast<float>(*p);
+  } else {
+    const auto v = *reinterpret_cast<const apex::AlignedVector<T, V>*>(p);
+#pragma unroll
+    for (int j = 0; j < V; ++j) dst[j] = static_cast<float>(v.val[j]);
+  }
+}
+
+template <int V, typename T>
+__device__ __forceinline__ void store_floats(T* p, const float (&src)[V]) {
+  apex::AlignedVector<T, V> v;
+#pragma unroll
+  for (int j = 0; j < V; ++j) v.val[j] = static_cast<T>(src[j]);
+  if constexpr (sizeof(v) % 16 == 0) {
+    apex::store_vector(p, v);
+  } else {
+    *reinterpret_cast<apex::AlignedVector<T, V>*>(p) = v;
+  }
+}
+
+template <typename W>
+__device__ __forceinline__ float load_or(const W* p, int64_t i, float fallback) {
+  return p != nullptr ? static_cast<float>(p[i]) : fallback;
+}
+
+// Walks over channels-first tensors ---------------------------------------------------------
+
+// A stride through the units of one channel (plane n, unit l of the plane), split once on
+// the host so that stepping needs no division.
+struct PlaneStep {
+  int64_t planes;
+  int64_t units;
+};
+
+inline PlaneStep plane_step(int64_t step, int64_t plane_units) { return {step / plane_units, step % plane_units}; }
+
+struct PlaneCursor {
+  int64_t n;
+  int64_t l;
+
+  __device__ __forceinline__ void advance(const PlaneStep& s, int64_t plane_units) {
+    l += s.units;
+    if (l >= plane_units) {
+      l -= plane_units;
+      ++n;
+    }
+    n += s.planes;
+  }
+};
+
+// A stride through all units of a channels-first tensor, tracking the channel.
+struct ChannelStep {
+  int64_t channels;  // whole planes stepped, modulo C
+  int64_t units;
+};
+
+inline ChannelStep channel_step(int64_t step, int64_t plane_units, int64_t channels) {
+  return {(step / plane_units) % channels, step % plane_units};
+}
+
+struct ChannelCursor {
+  int64_t c;
+  int64_t l;
+
+  __device__ __forceinline__ void advance(const ChannelStep& s, int64_t plane_units, int64_t channels) {
+    l += s.units;
+    int64_t carry = 0;
+    if (l >= plane_units) {
+      l -= plane_units;
+      carry = 1;
+    }
+    c += s.channels + carry;
+    if (c >= channels) c -= channels;
+  }
+};
+
+// Welford batches ---------------------------------------------------------------------------
+
+// Merges `count` values (the valid ones of x) into w as one batch: its exact mean and sum of
+// squared deviations, then Chan's merge (one division per batch, not per element).
+template <int N>
+__device__ __forceinline__ void welford_batch(apex::Welford<float>& w, const float (&x)[N], const bool (&valid)[N]) {
+  float sum = 0.0f;
+  float count = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (valid[i]) {
+      sum += x[i];
+      count += 1.0f;
+    }
+  }
+  if (count == 0.0f) return;
+  apex::Welford<float> batch{};
+  batch.mean = sum / count;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (valid[i]) {
+      const float d = x[i] - batch.mean;
+      batch.m2 += d * d;
+    }
+  }
+  batch.count = count;
+  w = apex::welford_merge(w, batch);
+}
+
+// Launch helpers ----------------------------------------------------------------------------
+
+C10_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// Blocks of kThreads that keep every multiprocessor full.
+inline int64_t full_grid() { return static_cast<int64_t>(sm_count()) * (2048 / kThreads); }
+
+// Chunks per channel (or per tile of channels) for the reductions: enough blocks to fill the
+// device, each with at least two sweeps of its threads' work.
+inline int64_t chunks_for(int64_t blocks_per_chunk, int64_t work_per_channel, int64_t work_per_sweep) {
+  const int64_t wanted = ceil_div(full_grid(), std::max<int64_t>(blocks_per_chunk, 1));
+  const int64_t useful = std::max<int64_t>(work_per_channel / (2 * work_per_sweep), 1);
+  return std::min({wanted, useful, kMaxChunks});
+}
+
+inline int next_power_of_two(int64_t n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+
+// A channels-last block: bx threads over channel units (a power of two up to a warp), by rows.
+struct TileShape {
+  int bx;
+  int by;
+};
+
+inline TileShape tile_shape(int64_t channel_units) {
+  const int bx = static_cast<int>(std::min<int64_t>(next_power_of_two(channel_units), apex::kWarpSize));
+  return {bx, kThreads / bx};
+}
+
+// Sums a 1-D (strided) count tensor over the block; every thread gets the sum.
+__device__ __forceinline__ float block_count(const float* count, int64_t n, int64_t stride, float* shared) {
+  float sum = 0.0f;
+  const int tid = threadIdx.x + threadIdx.y * blockDim.x;
+  const int threads = blockDim.x * blockDim.y;
+  for (int64_t i = tid; i < n; i += threads) sum += count[i * stride];
+  // block_sum indexes warps by threadIdx.x; a flat 1-D view of the block is what it needs.
+  const int lane = tid % apex::kWarpSize;
+  const int warp = tid / apex::kWarpSize;
+  const int warps = threads / apex::kWarpSize;
+  __syncthreads();
+  sum = apex::warp_sum(sum);
+  if (lane == 0) shared[warp] = sum;
+  __syncthreads();
+  sum = lane < warps ? shared[lane] : 0.0f;
+  return apex::warp_sum(sum);
+}
+
+}  // namespace apex_parallel

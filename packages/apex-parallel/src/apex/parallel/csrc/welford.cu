@@ -1,0 +1,300 @@
+// welford_mean_var, welford_mean_var_c_last: this rank's per-channel mean and biased variance,
+// reading the input once; welford_parallel: the count-weighted merge of every rank's statistics
+// and the running-statistics update. See _reference.welford_mean_var / welford_parallel.
+//
+// Channels-first: a block per (channel, chunk of the channel's N * L elements), each thread
+// folding kUnroll units (V elements each) at a time into its Welford state as one batch.
+// Channels-last: a block per (tile of channel units, chunk of rows); bx threads across
+// channels read whole 16-byte vectors of a row, by threads go down the rows; the by states of
+// a channel merge in shared memory in a fixed tree order. More than one chunk: partials
+// [chunks, C] and a second kernel that merges them in chunk order.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "syncbn_common.cuh"
+
+namespace apex_parallel {
+namespace {
+
+using Welford = apex::Welford<float>;
+
+struct WelfordOut {
+  float* mean;      // [C], or null when writing partials
+  float* var;       // [C]
+  Welford* partial;  // [chunks, C]
+};
+
+__device__ __forceinline__ void write_welford(const WelfordOut& out, const Welford& w, int64_t chunk, int64_t c,
+                                              int64_t channels) {
+  if (out.partial != nullptr) {
+    out.partial[chunk * channels + c] = w;
+  } else {
+    out.mean[c] = w.mean;
+    out.var[c] = w.variance(false);
+  }
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) welford_channels_first(const T* __restrict__ input, int64_t channels,
+                                                                   int64_t plane_units, int64_t units,
+                                                                   int64_t per_chunk, PlaneStep step,
+                                                                   WelfordOut out) {
+  __shared__ Welford shared[apex::kWarpSize];
+  const int64_t c = blockIdx.x;
+  const int64_t chunk = blockIdx.y;
+  const int64_t begin = chunk * per_chunk;
+  const int64_t end = begin + per_chunk < units ? begin + per_chunk : units;
+  Welford w{};
+  int64_t j = begin + threadIdx.x;
+  PlaneCursor cursor{j / plane_units, j % plane_units};
+  const int64_t plane = plane_units * V;
+  for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
+    float x[kUnroll * V];
+    bool valid[kUnroll * V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const bool ok = j + u * static_cast<int64_t>(blockDim.x) < end;
+      float v[V];
+      if (ok) load_floats<V>(v, input + (cursor.n * channels + c) * plane + cursor.l * V);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        x[u * V + k] = ok ? v[k] : 0.0f;
+        valid[u * V + k] = ok;
+      }
+      cursor.advance(step, plane_units);
+    }
+    welford_batch(w, x, valid);
+  }
+  w = apex::block_welford(w, shared);
+  if (threadIdx.x == 0) write_welford(out, w, chunk, c, channels);
+}
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __restrict__ input, int64_t rows,
+                                                                  int64_t channels, WelfordOut out) {
+  __shared__ Welford shared[kThreads * V];
+  const int64_t channel_units = channels / V;
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool active = cu < channel_units;
+  Welford w[V] = {};
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
+       r += kUnroll * row_step) {
+    float x[kUnroll][V];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      ok[u] = r + u * row_step < rows;
+      if (ok[u]) load_floats<V>(x[u], input + (r + u * row_step) * channels + cu * V);
+    }
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      float column[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) column[u] = ok[u] ? x[u][k] : 0.0f;
+      welford_batch(w[k], column, ok);
+    }
+  }
+  // Tree merge over threadIdx.y in shared memory: slot (y, x, k).
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+  for (int k = 0; k < V; ++k) shared[slot + k] = w[k];
+  for (int half = blockDim.y / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.y < half) {
+      const int other = slot + half * blockDim.x * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) shared[slot + k] = apex::welford_merge(shared[slot + k], shared[other + k]);
+    }
+  }
+  if (threadIdx.y == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) write_welford(out, shared[slot + k], blockIdx.y, cu * V + k, channels);
+  }
+}
+
+__global__ void welford_finalize(const Welford* __restrict__ partial, int64_t chunks, int64_t channels,
+                                 float* __restrict__ mean, float* __restrict__ var) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= channels) return;
+  Welford w{};
+  for (int64_t k = 0; k < chunks; ++k) w = apex::welford_merge(w, partial[k * channels + c]);
+  mean[c] = w.mean;
+  var[c] = w.variance(false);
+}
+
+std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& input, bool channel_last) {
+  const int64_t channels = checks::input(op, input, channel_last);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  const auto f32 = input.options().dtype(at::kFloat);
+  const int64_t numel = input.numel();
+  if (numel == 0) return {at::zeros({channels}, f32), at::zeros({channels}, f32)};
+  at::Tensor mean = at::empty({channels}, f32);
+  at::Tensor var = at::empty({channels}, f32);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t per_channel = numel / channels;
+  at::Tensor partial;
+  apex::dispatch_float_types(input.scalar_type(), op, "input", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* x = static_cast<const T*>(input.const_data_ptr());
+    if (!channel_last) {
+      const int64_t plane = per_channel / input.size(0);
+      dispatch_vector<T>(pick_vector<T>(plane, {x}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t plane_units = plane / V;
+        const int64_t units = input.size(0) * plane_units;
+        const int64_t chunks = chunks_for(channels, units, static_cast<int64_t>(kThreads) * kUnroll);
+        const int64_t per_chunk = ceil_div(units, chunks);
+        WelfordOut out{mean.data_ptr<float>(), var.data_ptr<float>(), nullptr};
+        if (chunks > 1) {
+          partial = at::empty({chunks * channels * 3}, f32);
+          out.partial = reinterpret_cast<Welford*>(partial.data_ptr<float>());
+        }
+        const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
+        welford_channels_first<T, V><<<grid, kThreads, 0, stream>>>(x, channels, plane_units, units, per_chunk,
+                                                                    plane_step(kThreads, plane_units), out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (chunks > 1) {
+          welford_finalize<<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+              out.partial, chunks, channels, out.mean, out.var);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
+    } else {
+      dispatch_vector<T>(pick_vector<T>(channels, {x}), [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const int64_t rows = per_channel;
+        const TileShape tile = tile_shape(channels / V);
+        const int64_t tiles = ceil_div(channels / V, tile.bx);
+        const int64_t chunks = std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll),
+                                                 65535);
+        WelfordOut out{mean.data_ptr<float>(), var.data_ptr<float>(), nullptr};
+        if (chunks > 1) {
+          partial = at::empty({chunks * channels * 3}, f32);
+          out.partial = reinterpret_cast<Welford*>(partial.data_ptr<float>());
+        }
+        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
+        const dim3 block(tile.bx, tile.by);
+        welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (chunks > 1) {
+          welford_finalize<<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+              out.partial, chunks, channels, out.mean, out.var);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
+    }
+  });
+  return {mean, var};
+}
+
+std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input) {
+  return welford("welford_mean_var", input, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> welford_mean_var_c_last_cuda(const at::Tensor& input) {
+  return welford("welford_mean_var_c_last", input, true);
+}
+
+// welford_parallel ---------------------------------------------------------------------------
+
+template <typename R>
+__global__ void welford_parallel_kernel(const float* __restrict__ mean, int64_t mean_stride,
+                                        const float* __restrict__ var, int64_t var_stride,
+                                        const float* __restrict__ count, int64_t count_stride, int64_t ranks,
+                                        int64_t channels, float eps, R* running_mean, R* running_var, float momentum,
+                                        float* __restrict__ merged_mean, float* __restrict__ invstd) {
+  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= channels) return;
+  Welford w{};
+  for (int64_t r = 0; r < ranks; ++r) {
+    Welford rank{};
+    rank.count = count[r * count_stride];
+    rank.mean = mean[r * mean_stride + c];
+    rank.m2 = var[r * var_stride + c] * rank.count;
+    w = apex::welford_merge(w, rank);
+  }
+  merged_mean[c] = w.mean;
+  invstd[c] = 1.0f / sqrtf(w.variance(false) + eps);
+  if (running_mean != nullptr) {
+    const float unbiased = w.m2 / (w.count - 1.0f);
+    running_mean[c] = static_cast<R>(static_cast<float>(running_mean[c]) * (1.0f - momentum) + w.mean * momentum);
+    running_var[c] = static_cast<R>(static_cast<float>(running_var[c]) * (1.0f - momentum) + unbiased * momentum);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean, const at::Tensor& var_biased,
+                                                         const at::Tensor& count, double eps,
+                                                         const std::optional<at::Tensor>& running_mean,
+                                                         const std::optional<at::Tensor>& running_var,
+                                                         double momentum) {
+  const char* op = "welford_parallel";
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"mean", mean}, {"var_biased", var_biased}}) {
+    TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": ", name, " has dtype ",
+                     checks::torch_dtype(t.scalar_type()), "; expected torch.float32");
+  }
+  TORCH_CHECK_VALUE(mean.dim() == 2, op, ": mean must be 2-D (ranks, channels), got shape ",
+                    apex::checks::shape_string(mean.sizes()));
+  TORCH_CHECK_VALUE(var_biased.sizes().equals(mean.sizes()), op, ": var_biased has shape ",
+                    apex::checks::shape_string(var_biased.sizes()), " but mean has ",
+                    apex::checks::shape_string(mean.sizes()));
+  const c10::Device device = mean.device();
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"mean", mean}, {"var_biased", var_biased}}) {
+    checks::placed(op, name, t, device);
+    TORCH_CHECK_VALUE(t.size(1) <= 1 || t.stride(1) == 1, op, ": ", name,
+                      " must have unit stride in its last dimension");
+  }
+  checks::count(op, count, device);
+  const int64_t ranks = mean.size(0);
+  const int64_t channels = mean.size(1);
+  TORCH_CHECK_VALUE(count.size(0) == ranks, op, ": count has ", count.size(0), " elements, expected one per rank (",
+                    ranks, ")");
+  const at::Tensor* rm = optional_tensor(running_mean);
+  const at::Tensor* rv = optional_tensor(running_var);
+  TORCH_CHECK_VALUE((rm == nullptr) == (rv == nullptr), op, ": running_mean and running_var must be given together");
+  if (rm != nullptr) {
+    TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, rm->scalar_type()), op,
+                     ": running_mean has dtype ", checks::torch_dtype(rm->scalar_type()),
+                     "; expected one of float32, float16, bfloat16");
+    TORCH_CHECK_TYPE(rv->scalar_type() == rm->scalar_type(), op, ": running_var has dtype ",
+                     checks::torch_dtype(rv->scalar_type()), " but running_mean has ",
+                     checks::torch_dtype(rm->scalar_type()));
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"running_mean", rm}, {"running_var", rv}}) {
+      TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == channels, op, ": ", name, " has shape ",
+                        apex::checks::shape_string(t->sizes()), ", expected ", checks::channels_shape(channels));
+      checks::dense(op, name, *t, device);
+    }
+  }
+
+  const c10::cuda::CUDAGuard device_guard(device);
+  const auto f32 = mean.options().dtype(at::kFloat);
+  at::Tensor merged = at::empty({channels}, f32);
+  at::Tensor invstd = at::empty({channels}, f32);
+  if (channels == 0) return {merged, invstd};
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const auto running_dtype = rm != nullptr ? rm->scalar_type() : c10::kFloat;
+  apex::dispatch_float_types(running_dtype, op, "running_mean", [&](auto tag) {
+    using R = typename decltype(tag)::type;
+    welford_parallel_kernel<R><<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+        mean.const_data_ptr<float>(), mean.stride(0), var_biased.const_data_ptr<float>(), var_biased.stride(0),
+        count.const_data_ptr<float>(), count.stride(0), ranks, channels, static_cast<float>(eps),
+        rm != nullptr ? static_cast<R*>(rm->data_ptr()) : nullptr,
+        rv != nullptr ? static_cast<R*>(rv->data_ptr()) : nullptr, static_cast<float>(momentum),
+        merged.data_ptr<float>(), invstd.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {merged, invstd};
+}
+
+}  // namespace
+}  // namespace apex_parallel
+
+TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
+  m.impl("welford_mean_var", &apex_parallel::welford_mean_var_cuda);
+  m.impl("welford_mean_var_c_last", &apex_parallel::welford_mean_var_c_last_cuda);
+  m.impl("welford_parallel", &apex_parallel::welford_parallel_cuda);
+}

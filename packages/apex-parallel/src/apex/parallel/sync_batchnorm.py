@@ -1,0 +1,260 @@
+"""SyncBatchNorm: batch norm whose training statistics cover the whole process group."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from apex.parallel import _ops
+
+# all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch norm over the group on a contiguous input in one of the kernels' two layouts.
+
+    Forward: local Welford statistics, one all-gather of ``[mean, var, count]``, a
+    count-weighted merge (which also updates the running statistics), the normalization.
+    Backward: local ``sum_dy``/``sum_dy_xmu``, one all-reduce of both, the input gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, momentum, group, world, c_last, relu):
+        channels = input.shape[-1] if c_last else input.shape[1]
+        welford = _ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var
+        mean, var = welford(input)
+        local_count = input.numel() // channels if channels else 0
+        count = torch.full((1,), float(local_count), dtype=torch.float32, device=input.device)
+        if world > 1:
+            local = torch.cat([mean, var, count])
+            gathered = local.new_empty((world * local.numel(),))
+            _all_gather(gathered, local, group=group)
+            gathered = gathered.view(world, local.numel())
+            means, vars_, count = gathered[:, :channels], gathered[:, channels : 2 * channels], gathered[:, -1]
+        else:
+            means, vars_ = mean.unsqueeze(0), var.unsqueeze(0)
+        mean, invstd = _ops.welford_parallel(means, vars_, count, eps, running_mean, running_var, momentum)
+        if c_last:
+            out = _ops.batch_norm_forward_c_last(input, z, mean, invstd, weight, bias, relu)
+        else:
+            out = _ops.batch_norm_forward(input, mean, invstd, weight, bias)
+        ctx.save_for_backward(input, z, weight, bias, mean, invstd, count)
+        ctx.group, ctx.world, ctx.c_last, ctx.relu = group, world, c_last, relu
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        if ctx.relu:
+            grad_output = _ops.relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)
+        grad_z = grad_output if z is not None and ctx.needs_input_grad[1] else None
+        reduce = _ops.reduce_bn_c_last if ctx.c_last else _ops.reduce_bn
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = reduce(grad_output, input, mean, invstd, weight)
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            if ctx.world > 1:
+                sums = torch.cat([sum_dy, sum_dy_xmu])
+                dist.all_reduce(sums, group=ctx.group)
+                sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
+            backward = _ops.batch_norm_backward_c_last if ctx.c_last else _ops.batch_norm_backward
+            grad_input = backward(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+        if weight is None:
+            grad_weight = grad_bias = None
+        else:
+            grad_weight = grad_weight if ctx.needs_input_grad[2] else None
+            grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
+        return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+class SyncBatchNorm(_BatchNorm):
+    r"""Batch normalization with statistics over every rank of a process group, as upstream Apex.
+
+    In training, each channel is normalized with the mean and (biased) variance of all elements
+    of that channel on all ranks of ``process_group``:
+    :math:`y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta`.
+    Each rank computes Welford statistics in float32, one all-gather shares them, and a
+    count-weighted merge combines them, so ranks may hold different batch sizes. The backward
+    pass all-reduces the two per-channel gradient sums once. Running statistics, eval mode and
+    the state dict are those of :class:`torch.nn.BatchNorm2d`; without an initialized process
+    group (or with one rank) training uses the local batch.
+
+    Args:
+        num_features: the number of channels ``C``.
+        eps: added to the variance. Default: 1e-5.
+        momentum: the running statistics' update factor, or ``None`` for a cumulative moving
+            average. Default: 0.1.
+        affine: learnable ``weight`` and ``bias``. Default: True.
+        track_running_stats: keep ``running_mean``/``running_var``. Default: True.
+        process_group: the group to synchronize over; ``None`` is the default group.
+        channel_last: the input's last dimension holds the channels (``(N, ..., C)``) instead of
+            dimension 1. Inputs in ``torch.channels_last`` memory format need no flag: they
+            take the channels-last kernels on their own.
+        fuse_relu: apply a ReLU to the output, ``y = relu(bn(x) + z)``.
+
+    ``forward(input, z=None)``: ``z``, shaped like the input, is added before the ReLU.
+    Input: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` (channels last with
+    ``channel_last``), float32, float16 or bfloat16; weight and buffers float32 or the input's
+    dtype.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        channel_last: bool = False,
+        fuse_relu: bool = False,
+    ):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats)
+        self.process_group = process_group
+        self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"SyncBatchNorm: expected at least 2-D input, got {input.dim()}-D")
+
+    def _specify_process_group(self, process_group) -> None:
+        self.process_group = process_group
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", channel_last={self.channel_last}, fuse_relu={self.fuse_relu}"
+
+    def _momentum(self) -> float:
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def _local(self, input, z, factor, bn_training):
+        """torch's batch norm over this rank's batch (eval, or no running statistics in eval)."""
+        channels_dim_last = self.channel_last and input.dim() > 2
+        x = input.movedim(-1, 1) if channels_dim_last else input
+        track = not self.training or self.track_running_stats
+        out = F.batch_norm(
+            x,
+            self.running_mean if track else None,
+            self.running_var if track else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            factor,
+            self.eps,
+        )
+        if channels_dim_last:
+            out = out.movedim(1, -1)
+        if z is not None:
+            out = out + z
+        return torch.relu(out) if self.fuse_relu else out
+
+    def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_input_dim(input)
+        if self.channel_last:
+            if input.shape[-1] != self.num_features:
+                raise ValueError(
+                    f"SyncBatchNorm: input has {input.shape[-1]} channels in its last dimension, "
+                    f"expected {self.num_features}"
+                )
+        elif input.shape[1] != self.num_features:
+            raise ValueError(f"SyncBatchNorm: input has {input.shape[1]} channels, expected {self.num_features}")
+        if z is not None and tuple(z.shape) != tuple(input.shape):
+            raise ValueError(f"SyncBatchNorm: z has shape {tuple(z.shape)} but input has {tuple(input.shape)}")
+        factor = self._momentum()
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if not (self.training and bn_training):
+            return self._local(input, z, factor, bn_training)
+
+        group, world = None, 1
+        if dist.is_available() and dist.is_initialized():
+            group = self.process_group if self.process_group is not None else dist.group.WORLD
+            world = dist.get_world_size(group)
+        running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+        weight, bias = self.weight, self.bias
+        if self.channel_last or input.dim() == 2:
+            zc = None if z is None else z.contiguous()
+            return self._sync(input.contiguous(), zc, weight, bias, running, factor, group, world, True, self.fuse_relu)
+        if input.dim() in (4, 5) and input.is_contiguous(memory_format=_memory_format(input)):
+            # channels_last memory: the channels-last kernels on the (N, ..., C) view, no copy.
+            to_last = (0, *range(2, input.dim()), 1)
+            from_last = (0, input.dim() - 1, *range(1, input.dim() - 1))
+            zl = None if z is None else z.permute(to_last).contiguous()
+            out = self._sync(
+                input.permute(to_last), zl, weight, bias, running, factor, group, world, True, self.fuse_relu
+            )
+            return out.permute(from_last)
+        out = self._sync(input.contiguous(), None, weight, bias, running, factor, group, world, False, False)
+        if z is not None:
+            out = out + z
+        return torch.relu(out) if self.fuse_relu else out
+
+    def _sync(self, input, z, weight, bias, running, factor, group, world, c_last, relu):
+        return SyncBatchNormFunction.apply(
+            input, z, weight, bias, running[0], running[1], self.eps, factor, group, world, c_last, relu
+        )
+
+
+def _memory_format(input: torch.Tensor):
+    return torch.channels_last if input.dim() == 4 else torch.channels_last_3d
+
+
+def convert_syncbn_model(module: torch.nn.Module, process_group=None, channel_last: bool = False) -> torch.nn.Module:
+    """Replaces every batch norm layer of ``module`` (recursively) by an apex :class:`SyncBatchNorm`.
+
+    Weights, buffers, ``requires_grad``, device and dtype carry over; layers that already are
+    apex SyncBatchNorm stay. Returns the converted module (a new object when ``module`` itself
+    is a batch norm layer).
+    """
+    converted = module
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        converted = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+            channel_last=channel_last,
+        )
+        with torch.no_grad():
+            if module.affine:
+                converted.weight = module.weight
+                converted.bias = module.bias
+            if module.track_running_stats:
+                converted.running_mean = module.running_mean
+                converted.running_var = module.running_var
+                converted.num_batches_tracked = module.num_batches_tracked
+        converted.train(module.training)
+        if hasattr(module, "qconfig"):
+            converted.qconfig = module.qconfig
+    for name, child in module.named_children():
+        converted.add_module(name, convert_syncbn_model(child, process_group, channel_last))
+    return converted
+
+
+def create_syncbn_process_group(group_size: int):
+    """Splits the world into consecutive groups of ``group_size`` ranks; returns this rank's group.
+
+    Every rank must call it (``new_group`` is collective over the world). ``group_size`` 0 (or
+    None) means the whole world and returns ``None``.
+    """
+    if not group_size:
+        return None
+    world_size = dist.get_world_size()
+    if group_size > world_size or world_size % group_size != 0:
+        raise ValueError(f"create_syncbn_process_group: world size {world_size} is not divisible by {group_size}")
+    rank = dist.get_rank()
+    mine = None
+    for start in range(0, world_size, group_size):
+        group = dist.new_group(list(range(start, start + group_size)))
+        if start <= rank < start + group_size:
+            mine = group
+    return mine
