@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import gc
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex import amp
+from apex.amp._amp_state import _amp_state
 from apex.core.benchmarking import markdown_table, require_kernels, time_ms
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
@@ -112,8 +113,12 @@ def amp_variant(base, dtype, idx, targets, level):
     opt, opt_name = fused_adam_or_adamw(model.parameters())
     dtype_arg = {"cast_model_type": dtype} if level == "O2" else {"autocast_dtype": dtype}
     model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **dtype_arg)
+    # amp's options and loss scalers are process-wide (as upstream's): each variant puts back its
+    # own before a step, since the variants are timed in turns.
+    state = dict(vars(_amp_state))
 
     def step():
+        vars(_amp_state).update(state)
         opt.zero_grad(set_to_none=True)
         logits = model(idx)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
@@ -127,17 +132,30 @@ def amp_variant(base, dtype, idx, targets, level):
     return step, f"{opt_name}, {masters}"
 
 
-def measure(make, samples: int, steps_per_sample: int) -> tuple[float, float, float, str]:
-    """(ms per step, peak GiB, first loss, optimizer note) of one variant; frees it afterwards."""
-    gc.collect()  # the previous variant's model and optimizer (amp's bookkeeping holds cycles)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    step, note = make()
-    first_loss = float(step())
-    ms = time_ms([step], samples, min_calls=steps_per_sample, warmup=3)
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del step
-    return ms, peak, first_loss, note
+def measure_all(makers: dict, samples: int, steps_per_sample: int) -> dict:
+    """name -> (ms per step, peak GiB, first loss, optimizer note) for every variant.
+
+    All variants are built first, then timed in turns, one sample of each per round: a drift
+    of the clock or of a neighbour's load during the run hits every variant alike (timing one
+    variant after the other let it decide a 2% bar).
+    """
+    built, results = {}, {}
+    for name, make in makers.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step, note = make()
+        first_loss = float(step())
+        time_ms([step], 1, min_calls=1, warmup=2)
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**30
+        built[name] = (step, note, first_loss, peak)
+    per_sample: dict[str, list[float]] = {name: [] for name in built}
+    for _ in range(samples):
+        for name, (step, *_rest) in built.items():
+            per_sample[name].append(time_ms([step], 1, min_calls=steps_per_sample, warmup=0))
+    for name, (_step, note, first_loss, peak) in built.items():
+        results[name] = (statistics.median(per_sample[name]), peak, first_loss, note)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
             (f"amp O1 {dname}", dname, lambda d=dtype: amp_variant(base, d, idx, targets, "O1")),
             (f"amp O2 {dname}", dname, lambda d=dtype: amp_variant(base, d, idx, targets, "O2")),
         ]
+    measured = measure_all({name: make for name, _, make in variants}, args.samples, args.steps_per_sample)
     results = {}
-    for name, dname, make in variants:
-        results[name] = (dname, *measure(make, args.samples, args.steps_per_sample))
+    for name, dname, _ in variants:
+        results[name] = (dname, *measured[name])
         print(f"{name}: {results[name][1]:.2f} ms/step", flush=True)
 
     tokens_per_step = args.batch * args.seq
@@ -200,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{datetime.date.today().isoformat()}",
         f"- model: GPT, {n_params / 1e6:.1f}M parameters; batch {args.batch} x {args.seq} tokens; "
         f"median of {args.samples} samples of {args.steps_per_sample} steps",
-        "- speedup = native ms / this variant's ms (same dtype); peak = max allocated GiB",
+        "- variants timed in turns (one sample of each per round); speedup = native ms / this variant's ms "
+        "(same dtype); peak = GiB allocated at the peak of its first steps, beyond what was allocated before",
         "",
     ]
     table = markdown_table(["variant", "ms/step", "tokens/s", "speedup", "peak GiB", "first loss", "optimizer"], rows)
