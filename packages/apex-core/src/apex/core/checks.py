@@ -18,6 +18,21 @@ def _dtype_names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+def placed(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A strided tensor on ``device``."""
+    if t.layout != torch.strided:
+        raise ValueError(f"{op}: {name} has layout {t.layout}; only dense (strided) tensors are supported")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
+
+
+def dense(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A strided, contiguous tensor on ``device``."""
+    placed(op, name, t, device)
+    if not t.is_contiguous():
+        raise ValueError(f"{op}: {name} is not contiguous")
+
+
 def same_lengths(op: str, **lists: Sequence) -> int:
     lengths = {name: len(value) for name, value in lists.items()}
     if len(set(lengths.values())) > 1:

@@ -36,15 +36,6 @@ _DTYPE_NAMES = "float32, float16, bfloat16"
 # checks ----------------------------------------------------------------------------------------
 
 
-def _check_dense(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.layout != torch.strided:
-        raise ValueError(f"{op}: {name} has layout {t.layout}; only dense (strided) tensors are supported")
-    if t.device != device:
-        raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: {name} is not contiguous")
-
-
 def _check_normalized(op: str, name: str, t: torch.Tensor, normalized_shape) -> None:
     ndim = len(normalized_shape)
     if ndim == 0:
@@ -68,7 +59,7 @@ def _check_affine(op: str, input_dtype, device, weight, bias, normalized_shape, 
             raise ValueError(
                 f"{op}: weight has shape {tuple(weight.shape)}, expected normalized_shape {tuple(normalized_shape)}"
             )
-        _check_dense(op, "weight", weight, device)
+        checks.dense(op, "weight", weight, device)
     if bias is not None:
         if rms:
             raise ValueError(f"{op}: RMS norm takes no bias")
@@ -80,7 +71,7 @@ def _check_affine(op: str, input_dtype, device, weight, bias, normalized_shape, 
             raise ValueError(
                 f"{op}: bias has shape {tuple(bias.shape)}, expected normalized_shape {tuple(normalized_shape)}"
             )
-        _check_dense(op, "bias", bias, device)
+        checks.dense(op, "bias", bias, device)
 
 
 def _output_dtypes(input_dtype, weight) -> tuple:
@@ -92,13 +83,13 @@ def check_forward(op, input, residual, weight, bias, normalized_shape, rms, outp
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
     _check_normalized(op, "input", input, normalized_shape)
-    _check_dense(op, "input", input, input.device)
+    checks.dense(op, "input", input, input.device)
     if residual is not None:
         if residual.dtype != input.dtype:
             raise TypeError(f"{op}: residual has dtype {residual.dtype} but input has {input.dtype}")
         if tuple(residual.shape) != tuple(input.shape):
             raise ValueError(f"{op}: residual has shape {tuple(residual.shape)} but input has {tuple(input.shape)}")
-        _check_dense(op, "residual", residual, input.device)
+        checks.dense(op, "residual", residual, input.device)
     _check_affine(op, input.dtype, input.device, weight, bias, normalized_shape, rms)
     allowed = _output_dtypes(input.dtype, weight)
     if output_dtype is not None and output_dtype not in allowed:
@@ -116,7 +107,7 @@ def check_backward(
         raise TypeError(f"{op}: input_dtype is {input_dtype}; expected one of {_DTYPE_NAMES}")
     _check_normalized(op, "saved", saved, normalized_shape)
     device = saved.device
-    _check_dense(op, "saved", saved, device)
+    checks.dense(op, "saved", saved, device)
     _check_affine(op, input_dtype, device, weight, bias, normalized_shape, rms)
     allowed = _output_dtypes(input_dtype, weight)
     if grad_output.dtype not in allowed:
@@ -126,7 +117,7 @@ def check_backward(
         )
     if tuple(grad_output.shape) != tuple(saved.shape):
         raise ValueError(f"{op}: grad_output has shape {tuple(grad_output.shape)} but saved has {tuple(saved.shape)}")
-    _check_dense(op, "grad_output", grad_output, device)
+    checks.dense(op, "grad_output", grad_output, device)
     expected_saved = grad_output.dtype if memory_efficient else input_dtype
     if saved.dtype != expected_saved:
         what = "the output, like grad_output" if memory_efficient else "the input, input_dtype"
@@ -138,7 +129,7 @@ def check_backward(
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected float32")
         if t.numel() != rows:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, expected one per row ({rows})")
-        _check_dense(op, name, t, device)
+        checks.dense(op, name, t, device)
     if grad_res is not None:
         if grad_res.dtype != input_dtype:
             raise TypeError(f"{op}: grad_residual_out has dtype {grad_res.dtype}; expected {input_dtype}")
@@ -146,7 +137,7 @@ def check_backward(
             raise ValueError(
                 f"{op}: grad_residual_out has shape {tuple(grad_res.shape)} but saved has {tuple(saved.shape)}"
             )
-        _check_dense(op, "grad_residual_out", grad_res, device)
+        checks.dense(op, "grad_residual_out", grad_res, device)
 
 
 def _lead(t: torch.Tensor, normalized_shape) -> tuple:

@@ -38,26 +38,13 @@ _DTYPE_NAMES = "float32, float16, bfloat16"
 # checks ----------------------------------------------------------------------------------------
 
 
-def _placed(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.layout != torch.strided:
-        raise ValueError(f"{op}: {name} has layout {t.layout}; only dense (strided) tensors are supported")
-    if t.device != device:
-        raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
-
-
-def _dense(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
-    _placed(op, name, t, device)
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: {name} is not contiguous")
-
-
 def check_input(op: str, input: torch.Tensor, channel_last: bool) -> int:
     """Checks the input; returns its number of channels."""
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
     if input.dim() < 2:
         raise ValueError(f"{op}: input must have at least 2 dimensions, got shape {tuple(input.shape)}")
-    _dense(op, "input", input, input.device)
+    checks.dense(op, "input", input, input.device)
     return input.shape[-1] if channel_last else input.shape[1]
 
 
@@ -66,7 +53,7 @@ def check_like_input(op: str, name: str, t: torch.Tensor, input: torch.Tensor) -
         raise TypeError(f"{op}: {name} has dtype {t.dtype} but input has {input.dtype}")
     if tuple(t.shape) != tuple(input.shape):
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} but input has {tuple(input.shape)}")
-    _dense(op, name, t, input.device)
+    checks.dense(op, name, t, input.device)
 
 
 def check_channel_stat(op: str, name: str, t: torch.Tensor, channels: int, device: torch.device) -> None:
@@ -74,7 +61,7 @@ def check_channel_stat(op: str, name: str, t: torch.Tensor, channels: int, devic
         raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
     if tuple(t.shape) != (channels,):
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected ({channels},)")
-    _dense(op, name, t, device)
+    checks.dense(op, name, t, device)
 
 
 def check_affine(op: str, input_dtype, device, weight, bias, channels: int) -> None:
@@ -86,7 +73,7 @@ def check_affine(op: str, input_dtype, device, weight, bias, channels: int) -> N
             )
         if tuple(weight.shape) != (channels,):
             raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected ({channels},)")
-        _dense(op, "weight", weight, device)
+        checks.dense(op, "weight", weight, device)
     if bias is not None:
         if weight is None:
             raise ValueError(f"{op}: bias given without weight")
@@ -94,7 +81,7 @@ def check_affine(op: str, input_dtype, device, weight, bias, channels: int) -> N
             raise TypeError(f"{op}: bias has dtype {bias.dtype} but weight has {weight.dtype}")
         if tuple(bias.shape) != (channels,):
             raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({channels},)")
-        _dense(op, "bias", bias, device)
+        checks.dense(op, "bias", bias, device)
 
 
 def check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
@@ -102,7 +89,7 @@ def check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
         raise TypeError(f"{op}: count has dtype {count.dtype}; expected torch.float32")
     if count.dim() != 1:
         raise ValueError(f"{op}: count must be 1-D (one count per rank), got shape {tuple(count.shape)}")
-    _placed(op, "count", count, device)
+    checks.placed(op, "count", count, device)
 
 
 def check_stats(op: str, input, mean, invstd, weight, bias, channel_last: bool) -> int:
@@ -124,7 +111,7 @@ def check_parallel(op: str, mean, var_biased, count, running_mean, running_var) 
         raise ValueError(f"{op}: var_biased has shape {tuple(var_biased.shape)} but mean has {tuple(mean.shape)}")
     device = mean.device
     for name, t in (("mean", mean), ("var_biased", var_biased)):
-        _placed(op, name, t, device)
+        checks.placed(op, name, t, device)
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{op}: {name} must have unit stride in its last dimension")
     check_count(op, count, device)
@@ -143,7 +130,7 @@ def check_parallel(op: str, mean, var_biased, count, running_mean, running_var) 
         for name, t in (("running_mean", running_mean), ("running_var", running_var)):
             if tuple(t.shape) != (channels,):
                 raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected ({channels},)")
-            _dense(op, name, t, device)
+            checks.dense(op, name, t, device)
     return channels
 
 

@@ -49,14 +49,9 @@ constexpr int kStreamingThreads = 512;
 
 namespace checks {
 
-inline std::string torch_dtype(c10::ScalarType dtype) { return "torch." + apex::checks::dtype_name(dtype); }
+using apex::checks::torch_dtype;
 
-inline void dense(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, op, ": ", name, " has layout ", t.layout(),
-                    "; only dense (strided) tensors are supported");
-  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
-}
+using apex::checks::dense;
 
 // `t` ends with normalized_shape; returns the number of normalized elements per row.
 inline int64_t normalized(const char* op, const char* name, const at::Tensor& t, c10::IntArrayRef shape) {
@@ -102,15 +97,8 @@ inline void float_dtype(const char* op, const char* what, c10::ScalarType dtype)
 
 }  // namespace checks
 
-inline const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? &*t : nullptr;
-}
-
-template <typename T>
-inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
-  const at::Tensor* tensor = optional_tensor(t);
-  return tensor != nullptr ? static_cast<const T*>(tensor->const_data_ptr()) : nullptr;
-}
+using apex::optional_ptr;
+using apex::optional_tensor;
 
 // Dtype combinations ------------------------------------------------------------------------
 //

@@ -400,21 +400,17 @@ at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Ten
         constexpr int V = decltype(v)::value;
         const int64_t plane_units = plane / V;
         const int64_t units = numel / V;
-        const int64_t grid = std::min(ceil_div(units, static_cast<int64_t>(kThreads) * kUnroll), full_grid());
-        backward_channels_first<T, W, V><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            p, channels, plane_units, units, channel_step(grid * kThreads, plane_units, channels));
+        const FlatLaunch launch = channels_first_launch(units, plane_units, channels);
+        backward_channels_first<T, W, V><<<static_cast<unsigned>(launch.grid), kThreads, 0, stream>>>(
+            p, channels, plane_units, units, launch.step);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
       dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.grad_output, p.grad_input}), [&](auto v) {
         constexpr int V = decltype(v)::value;
         const int64_t rows = numel / channels;
-        const TileShape tile = tile_shape(channels / V);
-        const int64_t tiles = ceil_div(channels / V, tile.bx);
-        const int64_t row_blocks = std::min<int64_t>(
-            {ceil_div(rows, static_cast<int64_t>(tile.by) * kUnroll), ceil_div(full_grid(), tiles), 65535});
-        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
-        backward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(p, rows, channels);
+        const TileLaunch launch = channels_last_launch(channels / V, rows, kUnroll);
+        backward_channels_last<T, W, V><<<launch.grid, launch.block, 0, stream>>>(p, rows, channels);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
@@ -495,12 +491,8 @@ at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Te
     dispatch_vector<T>(pick_vector<T>(channels, {x, dy, zp, out}), [&](auto v) {
       constexpr int V = decltype(v)::value;
       const int64_t rows = numel / channels;
-      const TileShape tile = tile_shape(channels / V);
-      const int64_t tiles = ceil_div(channels / V, tile.bx);
-      const int64_t row_blocks =
-          std::min<int64_t>({ceil_div(rows, static_cast<int64_t>(tile.by)), ceil_div(full_grid(), tiles), 65535});
-      const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
-      relu_backward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
+      const TileLaunch launch = channels_last_launch(channels / V, rows, 1);
+      relu_backward_channels_last<T, W, V><<<launch.grid, launch.block, 0, stream>>>(
           dy, x, zp, mean.const_data_ptr<float>(), invstd.const_data_ptr<float>(), optional_ptr<W>(weight),
           optional_ptr<W>(bias), out, rows, channels);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -127,21 +127,17 @@ at::Tensor forward(const char* op, const at::Tensor& input, const std::optional<
         constexpr int V = decltype(v)::value;
         const int64_t plane_units = plane / V;
         const int64_t units = numel / V;
-        const int64_t grid = std::min(ceil_div(units, static_cast<int64_t>(kThreads) * kUnroll), full_grid());
-        forward_channels_first<T, W, V><<<static_cast<unsigned>(grid), kThreads, 0, stream>>>(
-            p, channels, plane_units, units, channel_step(grid * kThreads, plane_units, channels));
+        const FlatLaunch launch = channels_first_launch(units, plane_units, channels);
+        forward_channels_first<T, W, V><<<static_cast<unsigned>(launch.grid), kThreads, 0, stream>>>(
+            p, channels, plane_units, units, launch.step);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
       dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.z, p.output}), [&](auto v) {
         constexpr int V = decltype(v)::value;
         const int64_t rows = numel / channels;
-        const TileShape tile = tile_shape(channels / V);
-        const int64_t tiles = ceil_div(channels / V, tile.bx);
-        const int64_t row_blocks = std::min<int64_t>(
-            {ceil_div(rows, static_cast<int64_t>(tile.by) * kUnroll), ceil_div(full_grid(), tiles), 65535});
-        const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks));
-        forward_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(p, rows, channels);
+        const TileLaunch launch = channels_last_launch(channels / V, rows, kUnroll);
+        forward_channels_last<T, W, V><<<launch.grid, launch.block, 0, stream>>>(p, rows, channels);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }

@@ -45,20 +45,11 @@ constexpr int64_t kMaxChunks = 1024;
 
 namespace checks {
 
-inline std::string torch_dtype(c10::ScalarType dtype) { return "torch." + apex::checks::dtype_name(dtype); }
+using apex::checks::dense;
+using apex::checks::placed;
+using apex::checks::torch_dtype;
 
 inline std::string channels_shape(int64_t channels) { return "(" + std::to_string(channels) + ",)"; }
-
-inline void placed(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
-  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, op, ": ", name, " has layout ", t.layout(),
-                    "; only dense (strided) tensors are supported");
-  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
-}
-
-inline void dense(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
-  placed(op, name, t, device);
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
-}
 
 // Returns the number of channels.
 inline int64_t input(const char* op, const at::Tensor& t, bool channel_last) {
@@ -131,15 +122,8 @@ inline int64_t stats(const char* op, const at::Tensor& input_, const at::Tensor&
 
 }  // namespace checks
 
-inline const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? &*t : nullptr;
-}
-
-template <typename T>
-inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
-  const at::Tensor* tensor = optional_tensor(t);
-  return tensor != nullptr ? static_cast<const T*>(tensor->const_data_ptr()) : nullptr;
-}
+using apex::optional_ptr;
+using apex::optional_tensor;
 
 // Dtype and vector-width dispatch -----------------------------------------------------------
 
@@ -327,6 +311,33 @@ struct TileShape {
 inline TileShape tile_shape(int64_t channel_units) {
   const int bx = static_cast<int>(std::min<int64_t>(next_power_of_two(channel_units), apex::kWarpSize));
   return {bx, kThreads / bx};
+}
+
+// Launch geometry of the elementwise kernels. Channels first: a grid-stride loop over `units`
+// vectors, kUnroll per thread and sweep, with the channel step of one sweep.
+struct FlatLaunch {
+  int64_t grid;
+  ChannelStep step;
+};
+
+inline FlatLaunch channels_first_launch(int64_t units, int64_t plane_units, int64_t channels) {
+  const int64_t grid = std::min(ceil_div(units, static_cast<int64_t>(kThreads) * kUnroll), full_grid());
+  return {grid, channel_step(grid * kThreads, plane_units, channels)};
+}
+
+// Channels last: blocks of tile_shape() threads over tiles of channel units, walking the rows
+// (`rows_per_thread` at a time) with as many row blocks as fill the device.
+struct TileLaunch {
+  dim3 grid;
+  dim3 block;
+};
+
+inline TileLaunch channels_last_launch(int64_t channel_units, int64_t rows, int rows_per_thread) {
+  const TileShape tile = tile_shape(channel_units);
+  const int64_t tiles = ceil_div(channel_units, tile.bx);
+  const int64_t row_blocks = std::min<int64_t>(
+      {ceil_div(rows, static_cast<int64_t>(tile.by) * rows_per_thread), ceil_div(full_grid(), tiles), 65535});
+  return {dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks)), dim3(tile.bx, tile.by)};
 }
 
 // Sums a 1-D (strided) count tensor over the block; every thread gets the sum.

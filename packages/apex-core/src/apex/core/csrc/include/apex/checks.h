@@ -128,4 +128,36 @@ inline void same_numel(const char* op, const char* name, at::TensorList tensors,
   }
 }
 
+// "torch.float16", as Python's str(torch.float16).
+inline std::string torch_dtype(c10::ScalarType dtype) { return "torch." + dtype_name(dtype); }
+
+// A strided tensor on `device`.
+inline void placed(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  TORCH_CHECK_VALUE(t.layout() == c10::kStrided, op, ": ", name, " has layout ", t.layout(),
+                    "; only dense (strided) tensors are supported");
+  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), ", expected ", device);
+}
+
+// A strided, contiguous tensor on `device`.
+inline void dense(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  placed(op, name, t, device);
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
+}
+
 }  // namespace apex::checks
+
+namespace apex {
+
+// The tensor of an optional argument, or null when absent or undefined.
+inline const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
+}
+
+// Its data as const T*, or null.
+template <typename T>
+inline const T* optional_ptr(const std::optional<at::Tensor>& t) {
+  const at::Tensor* tensor = optional_tensor(t);
+  return tensor != nullptr ? static_cast<const T*>(tensor->const_data_ptr()) : nullptr;
+}
+
+}  // namespace apex
