@@ -4,6 +4,8 @@
 # run and tools/gpu_verify.sh installs them with --no-index before building the pure packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation py \
-  -d .whl hatchling pathspec pluggy trove-classifiers packaging
+# Resolved with dependencies (pure-Python wheels only), so a new requirement of hatchling (as
+# tomlkit became) comes along instead of failing the install there.
+python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation py --abi none \
+  --platform any -d .whl hatchling
 ls .whl
