@@ -8,7 +8,6 @@ runs many configurations per process group, since starting the ranks is the slow
 
 from __future__ import annotations
 
-import io
 import os
 import time
 import warnings
@@ -28,22 +27,6 @@ BATCH = 12  # divisible by 2 and 3 ranks, and by 2 micro-batches on each
 STEPS = 4
 LR = 0.1
 INIT_SEED = 1000  # rank r initializes with INIT_SEED + r: the broadcast from rank 0 must win
-
-
-def pack(value) -> bytes:
-    """Results travel as bytes: tensors in a multiprocessing queue go by shared memory, which can
-    vanish when the rank exits before the parent reads them."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def unpack(data: bytes):
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def run_packed(function: str, world: int, **kwargs) -> list:
-    return [unpack(r) for r in run_ranks(HERE, function, world, **kwargs)]
 
 
 class Net(nn.Module):
@@ -169,7 +152,7 @@ def train(cfg: dict, world: int, rank: int | None):
 
 
 def train_configs(rank: int, world: int, names: list[str]) -> bytes:
-    return pack({name: train(CONFIGS[name], world, rank) for name in names})
+    return {name: train(CONFIGS[name], world, rank) for name in names}
 
 
 def reducer_worker(rank: int, world: int) -> dict:
@@ -189,7 +172,7 @@ def reducer_worker(rank: int, world: int) -> dict:
             reducer = Reducer([[p.grad for p in model.parameters()]])
         reducer.reduce()
         out[form] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return pack(out)
+    return out
 
 
 def stalled_peer_worker(rank: int, world: int, flag_file: str):
@@ -246,7 +229,7 @@ def assert_close_to_reference(name: str, got: dict, ref: dict, tol: float) -> No
 @pytest.mark.parametrize("world", [2, 3])
 def test_ddp_matches_whole_batch_training(world):
     names = list(CONFIGS)
-    results = run_packed("train_configs", world, args=(names,), timeout=240)
+    results = run_ranks(HERE, "train_configs", world, args=(names,), timeout=240)
     for name in names:
         cfg = CONFIGS[name]
         ref = train(cfg, world, None)
@@ -265,7 +248,7 @@ def test_ddp_matches_whole_batch_training(world):
 
 def test_reducer_averages_gradients():
     world = 2
-    results = run_packed("reducer_worker", world, timeout=120)
+    results = run_ranks(HERE, "reducer_worker", world, timeout=120)
     ref_model = make_model(False, INIT_SEED)
     x, y, _ = make_batch(0, world)
     F.mse_loss(ref_model(x), y).backward()
@@ -414,7 +397,7 @@ def gpu_worker(rank: int, world: int) -> dict:
                         p.sub_(LR * p.grad)
             torch.cuda.synchronize(device)
             out[(dtype_name, name)] = dict(steps=steps, params={n: p.cpu() for n, p in model.named_parameters()})
-    return pack(out)
+    return out
 
 
 def check_gpu_results(results: list[dict]) -> None:
@@ -444,13 +427,13 @@ def check_gpu_results(results: list[dict]) -> None:
 
 @pytest.mark.gpu
 def test_ddp_one_gpu_nccl():
-    check_gpu_results(run_packed("gpu_worker", 1, backend="nccl", timeout=300))
+    check_gpu_results(run_ranks(HERE, "gpu_worker", 1, backend="nccl", timeout=300))
 
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_ddp_two_gpus_nccl():
-    check_gpu_results(run_packed("gpu_worker", 2, backend="nccl", timeout=300))
+    check_gpu_results(run_ranks(HERE, "gpu_worker", 2, backend="nccl", timeout=300))
 
 
 @pytest.mark.gpu
