@@ -2,11 +2,12 @@
 
 ``run_ranks(path, function, world_size, backend="gloo", args=(), timeout=120)`` starts
 ``world_size`` fresh Python processes (spawn), each of which initializes the default process
-group (TCP rendezvous on a free local port), loads the file at ``path`` as a module and calls
-``function(rank, world_size, *args)``. It returns the list of the ranks' return values (which
-must pickle; tensors come back by value) in rank order, or raises ``RankFailed`` with the traceback of every rank that
-failed, or ``RankTimeout`` naming the ranks that had not finished after ``timeout`` seconds
-(the processes are killed: a hung collective ends the test instead of the session).
+group (rendezvous through a file in a fresh temporary folder: no port to pick, so no race for
+one), loads the file at ``path`` as a module and calls ``function(rank, world_size, *args)``.
+It returns the ranks' return values in rank order (they must pickle; tensors come back by
+value), or raises ``RankFailed`` with the traceback of every rank that failed, or
+``RankTimeout`` naming the ranks that had not finished after ``timeout`` seconds (the
+processes are killed: a hung collective ends the test instead of the session).
 
 Worker functions live in the test file itself: test modules are imported under names that a
 child process cannot import, so the child loads the file by path instead. With ``backend
@@ -20,8 +21,9 @@ import importlib.util
 import os
 import pickle
 import queue as queue_module
-import socket
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -38,12 +40,6 @@ class RankTimeout(AssertionError):
     """Ranks did not finish within the timeout (a hang, or a rank waiting for a dead peer)."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _load(path: str):
     name = "_apex_rank_module_" + Path(path).stem
     if name in sys.modules:
@@ -55,10 +51,8 @@ def _load(path: str):
     return module
 
 
-def _child(rank, world_size, backend, port, path, function, args, results, collective_timeout) -> None:
+def _child(rank, world_size, backend, store_file, path, function, args, results, collective_timeout) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -71,6 +65,7 @@ def _child(rank, world_size, backend, port, path, function, args, results, colle
         kwargs = {"device_id": torch.device("cuda", rank)} if backend == "nccl" else {}
         torch.distributed.init_process_group(
             backend,
+            init_method=Path(store_file).as_uri(),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_timeout),
@@ -101,7 +96,7 @@ def run_ranks(
         raise RuntimeError(f"run_ranks: backend nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    rendezvous = tempfile.mkdtemp(prefix="apex-ranks-")
     procs = [
         context.Process(
             target=_child,
@@ -109,7 +104,7 @@ def run_ranks(
                 rank,
                 world_size,
                 backend,
-                port,
+                os.path.join(rendezvous, "store"),
                 str(path),
                 function,
                 args,
@@ -151,6 +146,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(rendezvous, ignore_errors=True)
     if failures:
         raise RankFailed("\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)))
     missing = [r for r in range(world_size) if r not in values]
