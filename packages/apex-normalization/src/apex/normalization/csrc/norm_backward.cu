@@ -92,11 +92,17 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
 
 // kEfficient: memory_efficient, saved is the output (S = O); else the input (S = T). A template
 // parameter: decided at run time it costs some 20 registers.
-template <typename T, typename W, typename O, bool kEfficient, int kVecs,
+// kPrefetch: once a thread has used this tile's saved values and dy from shared memory (the row
+// sums), it copies its vectors of the next tile into the same place (cp.async), so those loads
+// are in flight while this tile is reduced and written. One buffer per group, after the accumulators:
+// [vectors] saved vectors, then [vectors] dy vectors.
+template <typename T, typename W, typename O, bool kEfficient, int kVecs, bool kPrefetch,
           typename S = std::conditional_t<kEfficient, O, T>>
 __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column accumulators are accessed as float4");
+  constexpr int kSavedPieces = static_cast<int>(sizeof(Vec<S, kV>) / 16);
+  constexpr int kDyPieces = static_cast<int>(sizeof(Vec<O, kV>) / 16);
   __shared__ float scratch[2 * (kMaxThreads / kWarp)];
   extern __shared__ float4 accumulators[];
   const RowGroup g(p.group_threads);
@@ -104,6 +110,28 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
   const int64_t tiles = ceil_div(p.rows, g.count);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const bool accumulate = p.partial_weight != nullptr;
+  uint4* staged_saved = reinterpret_cast<uint4*>(accumulators + (accumulate ? g.count * p.hidden / 2 : 0)) +
+                        static_cast<int64_t>(g.index) * vectors * (kSavedPieces + kDyPieces);
+  uint4* staged_dy = staged_saved + static_cast<int64_t>(vectors) * kSavedPieces;
+  auto prefetch = [&](int64_t tile) {
+    const int64_t row = tile * g.count + g.index;
+    if (tile < tiles && row < p.rows) {
+      const int64_t offset = row * p.hidden;
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        const int v = g.lane + k * g.threads;
+        if (v >= vectors) continue;
+        const auto* saved = reinterpret_cast<const uint4*>(p.saved + offset + v * kV);
+        const auto* dy = reinterpret_cast<const uint4*>(p.grad_output + offset + v * kV);
+#pragma unroll
+        for (int i = 0; i < kSavedPieces; ++i) copy_async16(staged_saved + v * kSavedPieces + i, saved + i);
+#pragma unroll
+        for (int i = 0; i < kDyPieces; ++i) copy_async16(staged_dy + v * kDyPieces + i, dy + i);
+      }
+    }
+    copy_async_commit();
+  };
+  if constexpr (kPrefetch) prefetch(blockIdx.x);
   float* acc_w = reinterpret_cast<float*>(accumulators) + 2 * g.index * p.hidden;
   float* acc_b = acc_w + p.hidden;
   if (accumulate) {
@@ -123,15 +151,26 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
     Vec<S, kV> xs[kVecs];
     Vec<O, kV> dys[kVecs];
     bool valid[kVecs];
+    if constexpr (kPrefetch) copy_async_wait<0>();  // this tile has landed
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
       valid[k] = row_valid && v < vectors;
       if (valid[k]) {
-        xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
-        dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+        if constexpr (kPrefetch) {
+#pragma unroll
+          for (int i = 0; i < kSavedPieces; ++i) {
+            reinterpret_cast<uint4*>(&xs[k])[i] = staged_saved[v * kSavedPieces + i];
+          }
+#pragma unroll
+          for (int i = 0; i < kDyPieces; ++i) reinterpret_cast<uint4*>(&dys[k])[i] = staged_dy[v * kDyPieces + i];
+        } else {
+          xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
+          dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+        }
       }
     }
+
     float mean = 0.0f;
     float rstd = 0.0f;
     if (row_valid) {
@@ -155,6 +194,9 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
       }
       if (accumulate) accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
     }
+    // The loop above did arithmetic on every staged value, so the shared-memory loads are done
+    // and the next tile's copies may take their places.
+    if constexpr (kPrefetch) prefetch(tile + gridDim.x);
     group_sum(sums, g, scratch);
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
@@ -203,6 +245,13 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.y == 0 && col < hidden) grad[col] = static_cast<W>(tile[0][threadIdx.x]);
 }
 
+// APEX_NORM_BWD_PREFETCH=0 never prefetches, 2 always does (tests and tuning); unset or 1: when
+// a block walks over more than one tile.
+inline int backward_prefetch_mode() {
+  static const int mode = env_int("APEX_NORM_BWD_PREFETCH", 1);
+  return mode;
+}
+
 template <typename T, typename W, typename O, bool kEfficient, typename S = std::conditional_t<kEfficient, O, T>>
 bool backward_registers(const BackwardArgs& a) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
@@ -218,16 +267,32 @@ bool backward_registers(const BackwardArgs& a) {
                                : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
-  const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  const size_t accumulators = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
   // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
   // block; those take the streaming path.
   const size_t static_smem = 2 * (kMaxThreads / kWarp) * sizeof(float);
-  if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  if (accumulators + static_smem > optin) return false;
   const int64_t tiles = ceil_div(p.rows, groups);
+  const int sms = sm_count();
+  // The prefetching kernel also stages one tile of the saved values and dy per group.
+  const size_t staged = static_cast<size_t>(groups) * vectors * (sizeof(Vec<S, kV>) + sizeof(Vec<O, kV>));
+  const auto plain = backward_in_registers<T, W, O, kEfficient, kBackwardVecs, false>;
+  const auto prefetching = backward_in_registers<T, W, O, kEfficient, kBackwardVecs, true>;
+  const int mode = backward_prefetch_mode();
+  bool prefetch = mode != 0 && accumulators + staged + static_smem <= optin;
+  int64_t resident = 0;
+  if (prefetch) {
+    allow_dynamic_smem(reinterpret_cast<const void*>(prefetching), accumulators + staged);
+    resident = static_cast<int64_t>(sms) *
+               resident_blocks(reinterpret_cast<const void*>(prefetching), block, accumulators + staged);
+    prefetch = mode == 2 || tiles > resident;
+  }
+  const auto kernel = prefetch ? prefetching : plain;
+  const size_t smem = prefetch ? accumulators + staged : accumulators;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int64_t grid = std::min<int64_t>(
-      tiles, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
+      tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
 
   at::Tensor partial_weight, partial_bias;
   if (weight_grads) {

@@ -23,6 +23,7 @@
 #include <c10/util/accumulate.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -250,6 +251,26 @@ __device__ __forceinline__ apex::Welford<float> group_welford(apex::Welford<floa
   w = lane < warps ? slots[lane] : apex::Welford<float>{};
   for (int offset = kWarp / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
   return w;
+}
+
+// Asynchronous copies into shared memory (cp.async, 16 bytes each), used to fetch the next tile's
+// rows while the current one is reduced and written. Every thread copies exactly the vectors it
+// will read back itself, so no barrier is needed: waiting for its own copies is enough.
+__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
+  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most `kPending` of this thread's committed copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// An integer from the environment (tuning switches), or `fallback` when unset or empty.
+inline int env_int(const char* name, int fallback) {
+  const char* value = std::getenv(name);
+  return value == nullptr || value[0] == '\0' ? fallback : std::atoi(value);
 }
 
 // Launch helpers ----------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "norm_common.cuh"
@@ -45,6 +46,7 @@ struct ForwardParams {
   int64_t hidden;
   float eps;
   bool rms;
+  bool two_pass;  // layer norm statistics of rows in registers: two sums (else a Welford merge)
   int group_threads;
 };
 
@@ -76,20 +78,6 @@ __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restri
     }
     store_floats(out + col, y);
   }
-}
-
-// Copies of the next tile's rows into shared memory, in flight while the current tile is
-// reduced and written (cp.async, 16 bytes each). Every thread copies exactly the vectors it will
-// read back itself, so no barrier is needed: waiting for its own copies is enough.
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `kPending` of this thread's committed copy groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // kPrefetch: the rows of the next tile are copied into shared memory (two buffers of
@@ -185,6 +173,29 @@ __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const Forwar
         for (int j = 0; j < kV; ++j) {
           const float f = static_cast<float>(x[k].val[j]);
           squares[0] += f * f;
+        }
+      }
+      group_sum(squares, g, sum_scratch);
+      rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
+    } else if (p.two_pass) {
+      // Exact two-pass statistics of the row held in registers: the mean, then the sum of
+      // squared deviations from it (two plain sums instead of one Welford merge).
+      float sums[1] = {0.0f};
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) sums[0] += static_cast<float>(x[k].val[j]);
+      }
+      group_sum(sums, g, sum_scratch);
+      mean = sums[0] * inv_hidden;
+      float squares[1] = {0.0f};
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (!valid[k]) continue;
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          const float d = static_cast<float>(x[k].val[j]) - mean;
+          squares[0] += d * d;
         }
       }
       group_sum(squares, g, sum_scratch);
@@ -325,15 +336,23 @@ __global__ void __launch_bounds__(kStreamingThreads) forward_streaming(const For
 // APEX_NORM_PREFETCH=0 never prefetches, 2 always does (tests and tuning); unset or 1: when a
 // block walks over more than one tile.
 inline int prefetch_mode() {
-  static const int mode = [] {
-    const char* value = std::getenv("APEX_NORM_PREFETCH");
-    return value == nullptr || value[0] == '\0' ? 1 : std::atoi(value);
-  }();
+  static const int mode = env_int("APEX_NORM_PREFETCH", 1);
   return mode;
+}
+
+// APEX_NORM_LN_STATS=welford (default) or two-pass: how the in-register forward takes layer
+// norm statistics (a tuning switch while the two are compared on the GPU).
+inline bool two_pass_stats() {
+  static const bool two_pass = [] {
+    const char* value = std::getenv("APEX_NORM_LN_STATS");
+    return value != nullptr && std::string(value) == "two-pass";
+  }();
+  return two_pass;
 }
 
 template <typename T, typename W, typename O>
 void launch_forward(ForwardParams<T, W, O> p) {
+  p.two_pass = two_pass_stats();
   constexpr int kV = apex::vector_width<T, W, O>();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
