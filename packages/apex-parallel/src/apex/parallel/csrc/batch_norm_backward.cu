@@ -151,19 +151,31 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename W>
-__global__ void sums_finalize(int64_t chunks, int64_t channels, SumsOut<W> out) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= channels) return;
-  float dy = 0.0f;
-  float dy_xmu = 0.0f;
-  for (int64_t k = 0; k < chunks; ++k) {
-    const float2 s = out.partial[k * channels + c];
-    dy += s.x;
-    dy_xmu += s.y;
+__global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
+    sums_finalize(int64_t chunks, int64_t channels, SumsOut<W> out) {
+  __shared__ float2 lanes[kFinalizeLanes][apex::kWarpSize + 1];
+  const int64_t c = blockIdx.x * static_cast<int64_t>(apex::kWarpSize) + threadIdx.x;
+  float2 sums = make_float2(0.0f, 0.0f);
+  if (c < channels) {
+    for (int64_t k = threadIdx.y; k < chunks; k += kFinalizeLanes) {
+      const float2 s = out.partial[k * channels + c];
+      sums.x += s.x;
+      sums.y += s.y;
+    }
   }
-  SumsOut<W> final_out = out;
-  final_out.partial = nullptr;
-  write_sums(final_out, dy, dy_xmu, 0, c, channels);
+  lanes[threadIdx.y][threadIdx.x] = sums;
+  for (int half = kFinalizeLanes / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (static_cast<int>(threadIdx.y) < half) {
+      lanes[threadIdx.y][threadIdx.x].x += lanes[threadIdx.y + half][threadIdx.x].x;
+      lanes[threadIdx.y][threadIdx.x].y += lanes[threadIdx.y + half][threadIdx.x].y;
+    }
+  }
+  if (threadIdx.y == 0 && c < channels) {
+    SumsOut<W> final_out = out;
+    final_out.partial = nullptr;
+    write_sums(final_out, lanes[0][threadIdx.x].x, lanes[0][threadIdx.x].y, 0, c, channels);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op, const at::Tensor& grad_output,
@@ -202,8 +214,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
                    nullptr};
     auto finish = [&](int64_t chunks) {
       if (chunks <= 1) return;
-      sums_finalize<W><<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(chunks, channels,
-                                                                                                     out);
+      sums_finalize<W><<<finalize_grid(channels), finalize_block(), 0, stream>>>(chunks, channels, out);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto partials = [&](int64_t chunks) {

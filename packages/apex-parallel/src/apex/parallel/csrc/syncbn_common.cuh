@@ -340,6 +340,15 @@ inline TileLaunch channels_last_launch(int64_t channel_units, int64_t rows, int 
   return {dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(row_blocks)), dim3(tile.bx, tile.by)};
 }
 
+// Merging the [chunks, C] partials of a reduction: a block of (32 channels, kFinalizeLanes
+// lanes); lane y takes chunks y, y + kFinalizeLanes, ... in order, then the lanes are merged in
+// a fixed tree, so the result is the same on every run. (One thread per channel walking all
+// chunks took tens of microseconds for few channels with many chunks, e.g. C = 64 channels-last.)
+constexpr int kFinalizeLanes = 32;
+
+inline dim3 finalize_grid(int64_t channels) { return dim3(static_cast<unsigned>(ceil_div(channels, apex::kWarpSize))); }
+inline dim3 finalize_block() { return dim3(apex::kWarpSize, kFinalizeLanes); }
+
 // Sums a 1-D (strided) count tensor over the block; every thread gets the sum.
 __device__ __forceinline__ float block_count(const float* count, int64_t n, int64_t stride, float* shared) {
   float sum = 0.0f;

@@ -117,14 +117,27 @@ __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __res
   }
 }
 
-__global__ void welford_finalize(const Welford* __restrict__ partial, int64_t chunks, int64_t channels,
-                                 float* __restrict__ mean, float* __restrict__ var) {
-  const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (c >= channels) return;
+__global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
+    welford_finalize(const Welford* __restrict__ partial, int64_t chunks, int64_t channels, float* __restrict__ mean,
+                     float* __restrict__ var) {
+  __shared__ Welford lanes[kFinalizeLanes][apex::kWarpSize + 1];
+  const int64_t c = blockIdx.x * static_cast<int64_t>(apex::kWarpSize) + threadIdx.x;
   Welford w{};
-  for (int64_t k = 0; k < chunks; ++k) w = apex::welford_merge(w, partial[k * channels + c]);
-  mean[c] = w.mean;
-  var[c] = w.variance(false);
+  if (c < channels) {
+    for (int64_t k = threadIdx.y; k < chunks; k += kFinalizeLanes) w = apex::welford_merge(w, partial[k * channels + c]);
+  }
+  lanes[threadIdx.y][threadIdx.x] = w;
+  for (int half = kFinalizeLanes / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (static_cast<int>(threadIdx.y) < half) {
+      lanes[threadIdx.y][threadIdx.x] =
+          apex::welford_merge(lanes[threadIdx.y][threadIdx.x], lanes[threadIdx.y + half][threadIdx.x]);
+    }
+  }
+  if (threadIdx.y == 0 && c < channels) {
+    mean[c] = lanes[0][threadIdx.x].mean;
+    var[c] = lanes[0][threadIdx.x].variance(false);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& input, bool channel_last) {
@@ -159,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
                                                                     plane_step(kThreads, plane_units), out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
-          welford_finalize<<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+          welford_finalize<<<finalize_grid(channels), finalize_block(), 0, stream>>>(
               out.partial, chunks, channels, out.mean, out.var);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -182,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
-          welford_finalize<<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+          welford_finalize<<<finalize_grid(channels), finalize_block(), 0, stream>>>(
               out.partial, chunks, channels, out.mean, out.var);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
