@@ -7,7 +7,7 @@ the same PyTorch call under ``torch.compile``. Two passes: the forward alone, an
 backward (input, weight and bias gradients through ``torch.autograd.grad``; inputs require grad
 in both passes, as in training).
 
-    python packages/apex-normalization/benchmarks/bench_norms.py [--out DIR] [--samples N]
+    python packages/apex-normalization/benchmarks/bench_norms.py [--out DIR] [--samples N] [--quick] [--norms ...]
 
 Timing. The bars are about the kernels, so the "ms" columns are device time: one pass over
 enough copies of the data to outgrow L2 is captured in a CUDA graph, and a sample is one replay
@@ -190,23 +190,22 @@ def check_against_torch() -> None:
                 torch.testing.assert_close(g.float(), e.float(), rtol=2e-2, atol=2e-2 * scale)
 
 
-def bench(norm: str, rows: int, hidden: int, samples: int) -> list[Row]:
+def bench(norm: str, rows: int, hidden: int, samples: int, quick: bool = False) -> list[Row]:
+    """Rows of both passes; ``quick`` leaves out the compiled and eager timings (NaN there)."""
     rms = norm == "rms_norm"
     copies = copies_for_l2(rows * hidden * DTYPE.itemsize * 3)
     data = [make_data(rows, hidden, rms) for _ in range(copies)]
-    implementations = {
-        "ours": ours_fn(rms, hidden),
-        "torch": torch_fn(rms, hidden),
-        "compiled": compiled_fn(rms, hidden),
-    }
+    implementations = {"ours": ours_fn(rms, hidden), "torch": torch_fn(rms, hidden)}
+    if not quick:
+        implementations["compiled"] = compiled_fn(rms, hidden)
     result = []
     for mode in ("fwd", "fwd+bwd"):
-        ms, eager = {}, {}
+        ms, eager = {"compiled": float("nan")}, {"ours": float("nan"), "torch": float("nan")}
         for name, fn in implementations.items():
             call = fn if mode == "fwd" else with_backward(fn)
             calls = [lambda d=d, call=call: call(d) for d in data]
             ms[name] = graph_ms(calls, samples)
-            if name != "compiled":
+            if name != "compiled" and not quick:
                 eager[name] = time_ms(calls, samples)
         times = (ms["ours"], ms["torch"], ms["compiled"], eager["ours"], eager["torch"])
         result.append(Row(norm, rows, hidden, mode, *times))
@@ -237,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_norms.md")
     parser.add_argument("--samples", type=int, default=20, help="timed samples per measurement (median)")
+    parser.add_argument(
+        "--quick", action="store_true", help="tuning runs: ours and eager PyTorch device time only (no compile, no eager)"
+    )
+    parser.add_argument("--norms", default="layer_norm,rms_norm", help="comma-separated: layer_norm, rms_norm")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_norms: needs a CUDA device", file=sys.stderr)
@@ -246,9 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     check_against_torch()
     copy_gbps = copy_bandwidth_gbps(args.samples)
     rows = []
-    for norm in ("layer_norm", "rms_norm"):
+    for norm in args.norms.split(","):
         for r, h in LARGE_SHAPES + SMALL_SHAPES:
-            rows += bench(norm, r, h, args.samples)
+            rows += bench(norm, r, h, args.samples, args.quick)
     header = [
         "# bench_norms",
         "",

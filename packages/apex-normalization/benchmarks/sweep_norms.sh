@@ -14,7 +14,7 @@ for combo in "0 welford 0" "1 welford 0" "1 two-pass 0" "1 two-pass 1" "1 welfor
   read -r fwd stats bwd <<<"$combo"
   name="fwd${fwd}_${stats}_bwd${bwd}"
   APEX_NORM_PREFETCH=$fwd APEX_NORM_LN_STATS=$stats APEX_NORM_BWD_PREFETCH=$bwd \
-    python3 "$HERE/bench_norms.py" --samples 10 "$@" >"$OUT/sweep_$name.md" 2>&1
+    python3 "$HERE/bench_norms.py" --samples 10 --quick "$@" >"$OUT/sweep_$name.md" 2>&1
   echo "== $name"
   grep -E "^\| (layer|rms)_norm \| (16384x4096|8192x8192|4096x16384|32768x1024) " "$OUT/sweep_$name.md" | cut -d'|' -f2-5,11
 done

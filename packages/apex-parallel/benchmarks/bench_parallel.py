@@ -33,6 +33,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -42,7 +43,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex.core.benchmarking import copies_for_l2, markdown_table, require_kernels, time_ms
-from apex.core.testing import free_port
 
 WORLD = 2
 SYNCBN_SHAPES = [(64, 56, 56), (256, 56, 56), (128, 28, 28), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
@@ -270,11 +270,11 @@ def bench_ddp(steps: int, rounds: int) -> list[str]:
 # Driver ------------------------------------------------------------------------------------
 
 
-def worker(rank: int, args: argparse.Namespace, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def worker(rank: int, args: argparse.Namespace, store: str, results) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
+        init_method=f"file://{store}",
         rank=rank,
         world_size=WORLD,
         timeout=datetime.timedelta(seconds=300),
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(worker, args=(args, free_port(), results), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(args, os.path.join(tempfile.mkdtemp(), "store"), results), nprocs=WORLD, join=True, start_method="spawn")
     lines = results.get()
     header = [
         "# bench_parallel",
