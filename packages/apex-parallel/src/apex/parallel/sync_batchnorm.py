@@ -9,6 +9,22 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from apex.parallel import _ops
 
+_counts: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _count_tensor(count: int, device: torch.device) -> torch.Tensor:
+    """``[count]`` as a float32 tensor on ``device``, made once per value (the step is host-bound
+    at ResNet sizes: a fill kernel per call is measurable)."""
+    key = (count, device)
+    found = _counts.get(key)
+    if found is None:
+        if len(_counts) > 64:
+            _counts.clear()
+        with torch.inference_mode(False):  # a normal tensor, which later calls may save for backward
+            found = _counts[key] = torch.full((1,), float(count), dtype=torch.float32, device=device)
+    return found
+
+
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -27,7 +43,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         welford = _ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var
         mean, var = welford(input)
         local_count = input.numel() // channels if channels else 0
-        count = torch.full((1,), float(local_count), dtype=torch.float32, device=input.device)
+        count = _count_tensor(local_count, input.device)
         if world > 1:
             local = torch.cat([mean, var, count])
             gathered = local.new_empty((world * local.numel(),))

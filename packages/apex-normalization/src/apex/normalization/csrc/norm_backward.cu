@@ -2,14 +2,18 @@
 // the saved tensor and grad_output (norm_backward.cuh has the math).
 //
 // backward_in_registers, when rows are 16-byte aligned, hold whole vectors and fit (at most 1024
-// threads x kBackwardVecs vectors: 16384 elements of 16-bit types, 8192 of float32): a row group
-// loads its slice of the saved row and of dy into registers once, reduces the two row sums, and
-// writes dx. Each thread adds dy * xhat and dy of its own columns (the same columns in every row
-// it visits) into its group's region of dynamic shared memory, [groups][2][hidden] floats: no
-// other thread touches them until the end, so no barrier is needed per row, and they cost no
-// registers (two per element held would not fit next to the row at 1024 threads per block).
+// threads x 2 vectors: 16384 elements of 16-bit types, 8192 of float32): a row group loads its
+// slice of the saved row and of dy into registers once, reduces the two row sums, and writes dx.
+// Each thread adds dy * xhat and dy of its own columns (the same columns in every row it visits):
+// - rows of at most 1024 vectors take one vector per thread, and the column sums stay in
+//   registers (2 x 8 floats for 16-bit types);
+// - longer rows take two vectors per thread; their column sums (twice as many) would not fit next
+//   to the row at 1024 threads per block, so they live in the group's region of dynamic shared
+//   memory, [groups][2][hidden] floats, which only the owning thread touches until the end.
+//   That costs a shared-memory read and write of both sums per element, which made this path
+//   bound by L1 throughput (Nsight Compute, 16384x4096 bf16: L1 80%, DRAM 43%).
 // The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
-// at the end a block adds its groups' accumulators in group order into its partial row.
+// at the end a block adds its groups' sums in group order into its partial row.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
@@ -25,6 +29,7 @@
 namespace apex_normalization {
 namespace {
 
+// Vectors per thread of the longest rows held in registers (shorter rows take one).
 constexpr int kBackwardVecs = 2;
 // Threads per block: several row groups per block keep the number of partial rows low.
 constexpr int kBackwardBlock = 512;
@@ -92,17 +97,13 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
 
 // kEfficient: memory_efficient, saved is the output (S = O); else the input (S = T). A template
 // parameter: decided at run time it costs some 20 registers.
-// kPrefetch: once a thread has used this tile's saved values and dy from shared memory (the row
-// sums), it copies its vectors of the next tile into the same place (cp.async), so those loads
-// are in flight while this tile is reduced and written. One buffer per group, after the accumulators:
-// [vectors] saved vectors, then [vectors] dy vectors.
-template <typename T, typename W, typename O, bool kEfficient, int kVecs, bool kPrefetch,
+template <typename T, typename W, typename O, bool kEfficient, int kVecs,
           typename S = std::conditional_t<kEfficient, O, T>>
 __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column accumulators are accessed as float4");
-  constexpr int kSavedPieces = static_cast<int>(sizeof(Vec<S, kV>) / 16);
-  constexpr int kDyPieces = static_cast<int>(sizeof(Vec<O, kV>) / 16);
+  // One vector per thread: the column sums in registers; else in shared memory.
+  constexpr bool kInRegisters = kVecs == 1;
   __shared__ float scratch[2 * (kMaxThreads / kWarp)];
   extern __shared__ float4 accumulators[];
   const RowGroup g(p.group_threads);
@@ -110,31 +111,11 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
   const int64_t tiles = ceil_div(p.rows, g.count);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const bool accumulate = p.partial_weight != nullptr;
-  uint4* staged_saved = reinterpret_cast<uint4*>(accumulators + (accumulate ? g.count * p.hidden / 2 : 0)) +
-                        static_cast<int64_t>(g.index) * vectors * (kSavedPieces + kDyPieces);
-  uint4* staged_dy = staged_saved + static_cast<int64_t>(vectors) * kSavedPieces;
-  auto prefetch = [&](int64_t tile) {
-    const int64_t row = tile * g.count + g.index;
-    if (tile < tiles && row < p.rows) {
-      const int64_t offset = row * p.hidden;
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        const int v = g.lane + k * g.threads;
-        if (v >= vectors) continue;
-        const auto* saved = reinterpret_cast<const uint4*>(p.saved + offset + v * kV);
-        const auto* dy = reinterpret_cast<const uint4*>(p.grad_output + offset + v * kV);
-#pragma unroll
-        for (int i = 0; i < kSavedPieces; ++i) copy_async16(staged_saved + v * kSavedPieces + i, saved + i);
-#pragma unroll
-        for (int i = 0; i < kDyPieces; ++i) copy_async16(staged_dy + v * kDyPieces + i, dy + i);
-      }
-    }
-    copy_async_commit();
-  };
-  if constexpr (kPrefetch) prefetch(blockIdx.x);
   float* acc_w = reinterpret_cast<float*>(accumulators) + 2 * g.index * p.hidden;
   float* acc_b = acc_w + p.hidden;
-  if (accumulate) {
+  float reg_w[kV] = {};
+  float reg_b[kV] = {};
+  if (accumulate && !kInRegisters) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
@@ -151,26 +132,15 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
     Vec<S, kV> xs[kVecs];
     Vec<O, kV> dys[kVecs];
     bool valid[kVecs];
-    if constexpr (kPrefetch) copy_async_wait<0>();  // this tile has landed
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
       valid[k] = row_valid && v < vectors;
       if (valid[k]) {
-        if constexpr (kPrefetch) {
-#pragma unroll
-          for (int i = 0; i < kSavedPieces; ++i) {
-            reinterpret_cast<uint4*>(&xs[k])[i] = staged_saved[v * kSavedPieces + i];
-          }
-#pragma unroll
-          for (int i = 0; i < kDyPieces; ++i) reinterpret_cast<uint4*>(&dys[k])[i] = staged_dy[v * kDyPieces + i];
-        } else {
-          xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
-          dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
-        }
+        xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
+        dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
       }
     }
-
     float mean = 0.0f;
     float rstd = 0.0f;
     if (row_valid) {
@@ -192,11 +162,18 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
         sums[0] += wdy[j] * xhat[j];
         sums[1] += wdy[j];
       }
-      if (accumulate) accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
+      if (accumulate) {
+        if constexpr (kInRegisters) {
+#pragma unroll
+          for (int j = 0; j < kV; ++j) {
+            reg_w[j] += dy[j] * xhat[j];
+            reg_b[j] += dy[j];
+          }
+        } else {
+          accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
+        }
+      }
     }
-    // The loop above did arithmetic on every staged value, so the shared-memory loads are done
-    // and the next tile's copies may take their places.
-    if constexpr (kPrefetch) prefetch(tile + gridDim.x);
     group_sum(sums, g, scratch);
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
@@ -205,11 +182,31 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
                    p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (!accumulate) return;
+  float* out_w = p.partial_weight + static_cast<int64_t>(blockIdx.x) * p.hidden;
+  float* out_b = p.partial_bias != nullptr ? p.partial_bias + static_cast<int64_t>(blockIdx.x) * p.hidden : nullptr;
+  if constexpr (kInRegisters) {
+    const int col = g.lane * kV;
+    if (g.count == 1) {  // the block's sums are this thread's: straight into the partial row
+      if (g.lane < vectors) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) {
+          out_w[col + j] = reg_w[j];
+          if (out_b != nullptr) out_b[col + j] = reg_b[j];
+        }
+      }
+      return;
+    }
+    if (g.lane < vectors) {  // every column has one owner per group
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        acc_w[col + j] = reg_w[j];
+        acc_b[col + j] = reg_b[j];
+      }
+    }
+  }
   // The groups' accumulators, added in group order, become row blockIdx.x of the partials.
   __syncthreads();
   const float* all = reinterpret_cast<const float*>(accumulators);
-  float* out_w = p.partial_weight + static_cast<int64_t>(blockIdx.x) * p.hidden;
-  float* out_b = p.partial_bias != nullptr ? p.partial_bias + static_cast<int64_t>(blockIdx.x) * p.hidden : nullptr;
   for (int64_t col = threadIdx.x; col < p.hidden; col += blockDim.x) {
     float w = 0.0f;
     float b = 0.0f;
@@ -245,13 +242,6 @@ __global__ void __launch_bounds__(kMaxThreads)
   if (threadIdx.y == 0 && col < hidden) grad[col] = static_cast<W>(tile[0][threadIdx.x]);
 }
 
-// APEX_NORM_BWD_PREFETCH=0 never prefetches, 2 always does (tests and tuning); unset or 1: when
-// a block walks over more than one tile.
-inline int backward_prefetch_mode() {
-  static const int mode = env_int("APEX_NORM_BWD_PREFETCH", 1);
-  return mode;
-}
-
 template <typename T, typename W, typename O, bool kEfficient, typename S = std::conditional_t<kEfficient, O, T>>
 bool backward_registers(const BackwardArgs& a) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
@@ -261,38 +251,26 @@ bool backward_registers(const BackwardArgs& a) {
   const int64_t vectors = p.hidden / kV;
   if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
 
-  p.group_threads = group_threads_for(vectors, kBackwardVecs);
+  const bool one_vector = vectors <= kMaxThreads;
+  p.group_threads = group_threads_for(vectors, one_vector ? 1 : kBackwardVecs);
   const int groups =
       p.group_threads <= kWarp ? kBackwardBlock / p.group_threads
                                : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
-  const size_t accumulators = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  // Shared column sums: always with two vectors per thread; with one, only to add up the groups.
+  const bool shared_sums = weight_grads && (!one_vector || groups > 1);
+  const size_t smem = shared_sums ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
   // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
   // block; those take the streaming path.
   const size_t static_smem = 2 * (kMaxThreads / kWarp) * sizeof(float);
-  const size_t optin = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  if (accumulators + static_smem > optin) return false;
-  const int64_t tiles = ceil_div(p.rows, groups);
-  const int sms = sm_count();
-  // The prefetching kernel also stages one tile of the saved values and dy per group.
-  const size_t staged = static_cast<size_t>(groups) * vectors * (sizeof(Vec<S, kV>) + sizeof(Vec<O, kV>));
-  const auto plain = backward_in_registers<T, W, O, kEfficient, kBackwardVecs, false>;
-  const auto prefetching = backward_in_registers<T, W, O, kEfficient, kBackwardVecs, true>;
-  const int mode = backward_prefetch_mode();
-  bool prefetch = mode != 0 && accumulators + staged + static_smem <= optin;
-  int64_t resident = 0;
-  if (prefetch) {
-    allow_dynamic_smem(reinterpret_cast<const void*>(prefetching), accumulators + staged);
-    resident = static_cast<int64_t>(sms) *
-               resident_blocks(reinterpret_cast<const void*>(prefetching), block, accumulators + staged);
-    prefetch = mode == 2 || tiles > resident;
-  }
-  const auto kernel = prefetch ? prefetching : plain;
-  const size_t smem = prefetch ? accumulators + staged : accumulators;
+  if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  const auto kernel = one_vector ? backward_in_registers<T, W, O, kEfficient, 1>
+                                 : backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
+  const int64_t tiles = ceil_div(p.rows, groups);
   const int64_t grid = std::min<int64_t>(
-      tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
+      tiles, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
 
   at::Tensor partial_weight, partial_bias;
   if (weight_grads) {

@@ -20,7 +20,7 @@ __global__ void __launch_bounds__(kStreamingThreads) backward_streaming_kernel(c
   constexpr int kV = apex::vector_width<T, W, O, S>();
   constexpr int kInFlight = 2;
   __shared__ float scratch[2 * (kStreamingThreads / kWarp)];
-  const RowGroup block_group(static_cast<int>(blockDim.x));
+  const BlockRowGroup block_group(static_cast<int>(blockDim.x));
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
 
   for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {

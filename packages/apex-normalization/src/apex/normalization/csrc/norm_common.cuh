@@ -172,34 +172,45 @@ __device__ __forceinline__ void store_floats(T* p, const float (&src)[N]) {
 
 // Row groups and their reductions -----------------------------------------------------------
 
-struct RowGroup {
+// kNamedBarriers: groups of several warps that share a block synchronize with a named barrier
+// each (`bar.sync id, threads`). The id is a run-time value, so the compiler reserves all 16
+// barriers for the kernel, and a multiprocessor then holds at most 4 of its blocks whatever their
+// size (Nsight Compute: "Block Limit Barriers 4"). Kernels whose multi-warp groups fill their
+// block take BlockRowGroup, which synchronizes with __syncthreads() alone.
+template <bool kNamedBarriers>
+struct BasicRowGroup {
   int threads;  // per row: a power of two <= 32, or a multiple of 32
   int lane;     // this thread's index in its group
   int index;    // the group's index in the block
   int count;    // groups per block
 
-  __device__ __forceinline__ explicit RowGroup(int group_threads)
+  __device__ __forceinline__ explicit BasicRowGroup(int group_threads)
       : threads(group_threads),
         lane(static_cast<int>(threadIdx.x) % group_threads),
         index(static_cast<int>(threadIdx.x) / group_threads),
         count(static_cast<int>(blockDim.x) / group_threads) {}
 
-  // A barrier over this group's threads (groups of more than one warp only).
+  // A barrier over this group's threads (groups of more than one warp only). Without named
+  // barriers it is a block barrier: right as long as every group of the block reaches it.
   __device__ __forceinline__ void sync() const {
-    if (count == 1) {
-      __syncthreads();
-    } else {
-      asm volatile("bar.sync %0, %1;" ::"r"(index + 1), "r"(threads) : "memory");
+    if constexpr (kNamedBarriers) {
+      if (count != 1) {
+        asm volatile("bar.sync %0, %1;" ::"r"(index + 1), "r"(threads) : "memory");
+        return;
+      }
     }
+    __syncthreads();
   }
 
   // This group's slots in a block-wide scratch array of one slot per warp.
   __device__ __forceinline__ int first_warp_slot() const { return index * (threads / kWarp); }
 };
+using RowGroup = BasicRowGroup<true>;
+using BlockRowGroup = BasicRowGroup<false>;
 
 // Sums v[0..N) over the group. scratch: one slot of N floats per warp of the block.
-template <int N>
-__device__ __forceinline__ void group_sum(float (&v)[N], const RowGroup& g, float* scratch) {
+template <int N, typename Group>
+__device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* scratch) {
   const int width = g.threads < kWarp ? g.threads : kWarp;
   for (int offset = width / 2; offset > 0; offset /= 2) {
 #pragma unroll
@@ -236,7 +247,8 @@ __device__ __forceinline__ apex::Welford<float> welford_xor_step(const apex::Wel
 }
 
 // Merges the per-thread states of the group. scratch: one slot per warp of the block.
-__device__ __forceinline__ apex::Welford<float> group_welford(apex::Welford<float> w, const RowGroup& g,
+template <typename Group>
+__device__ __forceinline__ apex::Welford<float> group_welford(apex::Welford<float> w, const Group& g,
                                                               apex::Welford<float>* scratch) {
   const int width = g.threads < kWarp ? g.threads : kWarp;
   for (int offset = width / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
@@ -316,6 +328,10 @@ inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
   size_t& current = allowed[std::make_tuple(kernel, device)];
   if (current >= bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  // Ask for the largest shared-memory carveout, so that as many blocks fit as the occupancy
+  // calculation (resident_blocks) counted on.
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   current = bytes;
 }
 
