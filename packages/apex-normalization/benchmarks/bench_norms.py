@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_norms.md")
     parser.add_argument("--samples", type=int, default=20, help="timed samples per measurement (median)")
     parser.add_argument(
-        "--quick", action="store_true", help="tuning runs: ours and eager PyTorch device time only (no compile, no eager)"
+        "--quick", action="store_true", help="tuning runs: device time of ours and eager PyTorch only (no compile)"
     )
     parser.add_argument("--norms", default="layer_norm,rms_norm", help="comma-separated: layer_norm, rms_norm")
     args = parser.parse_args(argv)

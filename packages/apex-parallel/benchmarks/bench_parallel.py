@@ -20,7 +20,8 @@ channels_last, 224x224, 64 images per rank) and a GPT (12 layers, width 768, 12 
 ``torch.nn.parallel.DistributedDataParallel`` (defaults: 25 MB buckets, except
 ``broadcast_buffers=False``: Apex's DDP does not re-broadcast buffers every forward, so both do the
 same work). Two copies of each model, one per wrapper, stepped in alternating rounds; the time per
-step is the median over rounds of CUDA-event time over ``--steps`` steps. Bar: torch/ours >= 0.98.
+step is the median over rounds of CUDA-event time over ``--steps`` steps (the ranks start each round
+together); the ranges show the spread over rounds. Bar: torch/ours >= 0.98.
 
 The exit status is 0 when the benchmark ran (FAIL lines mark missed bars), nonzero on errors.
 """
@@ -209,7 +210,9 @@ def model_case(name: str, device: torch.device):
 
 
 def timed_steps(net, optimizer, inputs, targets, loss_fn, count: int) -> float:
-    """Milliseconds per training step over ``count`` steps (CUDA events)."""
+    """Milliseconds per training step over ``count`` steps (CUDA events); the ranks start together."""
+    torch.cuda.synchronize()
+    dist.barrier()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(count):
@@ -258,12 +261,13 @@ def bench_ddp(steps: int, rounds: int) -> list[str]:
                 times[which].append(run(which, steps))
         ours_ms, torch_ms = statistics.median(times["ours"]), statistics.median(times["torch"])
         ratio = torch_ms / ours_ms
-        rows.append([name, f"{n_params / 1e6:.1f}M", f"{torch_ms:.2f}", f"{ours_ms:.2f}", f"{ratio:.3f}"])
+        spread = [f"{min(times[w]):.1f}-{max(times[w]):.1f}" for w in ("torch", "ours")]
+        rows.append([name, f"{n_params / 1e6:.1f}M", f"{torch_ms:.2f}", f"{ours_ms:.2f}", f"{ratio:.3f}", *spread])
         verdict = "PASS" if ratio >= DDP_BAR else "FAIL"
         verdicts.append(f"DDP {name}: {verdict} (torch/ours {ratio:.3f}, bar >= {DDP_BAR})")
         del run, wrapped, optimizers, model_ours, model_torch
         torch.cuda.empty_cache()
-    header = ["model", "params", "torch ms/step", "ours ms/step", "torch/ours"]
+    header = ["model", "params", "torch ms/step", "ours ms/step", "torch/ours", "torch range", "ours range"]
     return ["## (b) DDP training step, bf16 autocast, 2 ranks", "", *markdown_table(header, rows), "", *verdicts]
 
 
@@ -302,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_parallel.md")
     parser.add_argument("--samples", type=int, default=20, help="timed samples per SyncBatchNorm measurement")
-    parser.add_argument("--steps", type=int, default=10, help="training steps per DDP timing round")
-    parser.add_argument("--rounds", type=int, default=6, help="DDP timing rounds per wrapper (median)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per DDP timing round")
+    parser.add_argument("--rounds", type=int, default=20, help="DDP timing rounds per wrapper (median)")
     parser.add_argument("--parts", default="syncbn,ddp", help="comma-separated: syncbn, ddp")
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
@@ -312,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    mp.start_processes(worker, args=(args, os.path.join(tempfile.mkdtemp(), "store"), results), nprocs=WORLD, join=True, start_method="spawn")
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    mp.start_processes(worker, args=(args, store, results), nprocs=WORLD, join=True, start_method="spawn")
     lines = results.get()
     header = [
         "# bench_parallel",

@@ -2,18 +2,14 @@
 // the saved tensor and grad_output (norm_backward.cuh has the math).
 //
 // backward_in_registers, when rows are 16-byte aligned, hold whole vectors and fit (at most 1024
-// threads x 2 vectors: 16384 elements of 16-bit types, 8192 of float32): a row group loads its
-// slice of the saved row and of dy into registers once, reduces the two row sums, and writes dx.
-// Each thread adds dy * xhat and dy of its own columns (the same columns in every row it visits):
-// - rows of at most 1024 vectors take one vector per thread, and the column sums stay in
-//   registers (2 x 8 floats for 16-bit types);
-// - longer rows take two vectors per thread; their column sums (twice as many) would not fit next
-//   to the row at 1024 threads per block, so they live in the group's region of dynamic shared
-//   memory, [groups][2][hidden] floats, which only the owning thread touches until the end.
-//   That costs a shared-memory read and write of both sums per element, which made this path
-//   bound by L1 throughput (Nsight Compute, 16384x4096 bf16: L1 80%, DRAM 43%).
+// threads x kBackwardVecs vectors: 16384 elements of 16-bit types, 8192 of float32): a row group
+// loads its slice of the saved row and of dy into registers once, reduces the two row sums, and
+// writes dx. Each thread adds dy * xhat and dy of its own columns (the same columns in every row
+// it visits) into its group's region of dynamic shared memory, [groups][2][hidden] floats: no
+// other thread touches them until the end, so no barrier is needed per row, and they cost no
+// registers (two per element held would not fit next to the row at 1024 threads per block).
 // The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
-// at the end a block adds its groups' sums in group order into its partial row.
+// at the end a block adds its groups' accumulators in group order into its partial row.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
@@ -29,7 +25,6 @@
 namespace apex_normalization {
 namespace {
 
-// Vectors per thread of the longest rows held in registers (shorter rows take one).
 constexpr int kBackwardVecs = 2;
 // Threads per block: several row groups per block keep the number of partial rows low.
 constexpr int kBackwardBlock = 512;
@@ -102,8 +97,6 @@ template <typename T, typename W, typename O, bool kEfficient, int kVecs,
 __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column accumulators are accessed as float4");
-  // One vector per thread: the column sums in registers; else in shared memory.
-  constexpr bool kInRegisters = kVecs == 1;
   __shared__ float scratch[2 * (kMaxThreads / kWarp)];
   extern __shared__ float4 accumulators[];
   const RowGroup g(p.group_threads);
@@ -113,9 +106,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
   const bool accumulate = p.partial_weight != nullptr;
   float* acc_w = reinterpret_cast<float*>(accumulators) + 2 * g.index * p.hidden;
   float* acc_b = acc_w + p.hidden;
-  float reg_w[kV] = {};
-  float reg_b[kV] = {};
-  if (accumulate && !kInRegisters) {
+  if (accumulate) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
@@ -162,17 +153,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
         sums[0] += wdy[j] * xhat[j];
         sums[1] += wdy[j];
       }
-      if (accumulate) {
-        if constexpr (kInRegisters) {
-#pragma unroll
-          for (int j = 0; j < kV; ++j) {
-            reg_w[j] += dy[j] * xhat[j];
-            reg_b[j] += dy[j];
-          }
-        } else {
-          accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
-        }
-      }
+      if (accumulate) accumulate_columns(acc_w + col, acc_b + col, dy, xhat);
     }
     group_sum(sums, g, scratch);
     const float projection = sums[0] * inv_hidden;
@@ -182,31 +163,11 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
                    p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (!accumulate) return;
-  float* out_w = p.partial_weight + static_cast<int64_t>(blockIdx.x) * p.hidden;
-  float* out_b = p.partial_bias != nullptr ? p.partial_bias + static_cast<int64_t>(blockIdx.x) * p.hidden : nullptr;
-  if constexpr (kInRegisters) {
-    const int col = g.lane * kV;
-    if (g.count == 1) {  // the block's sums are this thread's: straight into the partial row
-      if (g.lane < vectors) {
-#pragma unroll
-        for (int j = 0; j < kV; ++j) {
-          out_w[col + j] = reg_w[j];
-          if (out_b != nullptr) out_b[col + j] = reg_b[j];
-        }
-      }
-      return;
-    }
-    if (g.lane < vectors) {  // every column has one owner per group
-#pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        acc_w[col + j] = reg_w[j];
-        acc_b[col + j] = reg_b[j];
-      }
-    }
-  }
   // The groups' accumulators, added in group order, become row blockIdx.x of the partials.
   __syncthreads();
   const float* all = reinterpret_cast<const float*>(accumulators);
+  float* out_w = p.partial_weight + static_cast<int64_t>(blockIdx.x) * p.hidden;
+  float* out_b = p.partial_bias != nullptr ? p.partial_bias + static_cast<int64_t>(blockIdx.x) * p.hidden : nullptr;
   for (int64_t col = threadIdx.x; col < p.hidden; col += blockDim.x) {
     float w = 0.0f;
     float b = 0.0f;
@@ -251,22 +212,18 @@ bool backward_registers(const BackwardArgs& a) {
   const int64_t vectors = p.hidden / kV;
   if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
 
-  const bool one_vector = vectors <= kMaxThreads;
-  p.group_threads = group_threads_for(vectors, one_vector ? 1 : kBackwardVecs);
+  p.group_threads = group_threads_for(vectors, kBackwardVecs);
   const int groups =
       p.group_threads <= kWarp ? kBackwardBlock / p.group_threads
                                : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
-  // Shared column sums: always with two vectors per thread; with one, only to add up the groups.
-  const bool shared_sums = weight_grads && (!one_vector || groups > 1);
-  const size_t smem = shared_sums ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
   // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
   // block; those take the streaming path.
   const size_t static_smem = 2 * (kMaxThreads / kWarp) * sizeof(float);
   if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
-  const auto kernel = one_vector ? backward_in_registers<T, W, O, kEfficient, 1>
-                                 : backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
+  const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
   const int64_t tiles = ceil_div(p.rows, groups);
   const int64_t grid = std::min<int64_t>(

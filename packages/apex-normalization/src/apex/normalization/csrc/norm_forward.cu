@@ -46,6 +46,7 @@ struct ForwardParams {
   int64_t hidden;
   float eps;
   bool rms;
+  bool prefetch_affine;  // prefetch.global.L1 of the weight and bias before the reduction
   int group_threads;
 };
 
@@ -156,6 +157,18 @@ __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const Forwar
           x[k].val[j] = static_cast<T>(static_cast<float>(x[k].val[j]) + static_cast<float>(r.val[j]));
         }
         store_vec(p.residual_out + at, x[k]);
+      }
+    }
+
+    if (p.prefetch_affine) {
+      // The weight and bias are read after the row reduction. Asking now for their lines in L1
+      // takes the trip to L2 off that path without holding registers across the reduction.
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (!valid[k]) continue;
+        const int col = (g.lane + k * g.threads) * kV;
+        if (p.weight != nullptr) prefetch_l1(p.weight + col);
+        if (p.bias != nullptr) prefetch_l1(p.bias + col);
       }
     }
 
@@ -314,26 +327,22 @@ inline int prefetch_mode() {
   return mode;
 }
 
-// Vectors per thread for rows held in registers: kForwardVecs, or fewer when even one vector per
-// thread leaves the whole problem inside one wave of resident threads (small, latency-bound
-// problems: each thread's chain of loads, sums and stores gets shorter). APEX_NORM_FWD_SPREAD=0
-// keeps kForwardVecs (tuning switch while the two are compared on the GPU).
-inline int forward_vecs_per_thread(int64_t rows, int64_t vectors) {
-  static const int spread = env_int("APEX_NORM_FWD_SPREAD", 1);
-  if (spread == 0 || vectors > kMaxThreads) return kForwardVecs;
-  const int64_t wave = static_cast<int64_t>(sm_count()) * at::cuda::getCurrentDeviceProperties()->maxThreadsPerMultiProcessor / 2;
-  return rows * group_threads_for(vectors, 1) <= wave ? 1 : kForwardVecs;
+// APEX_NORM_AFFINE_PREFETCH=0 turns the L1 prefetch of the weight and bias off (tuning switch).
+inline bool affine_prefetch() {
+  static const bool on = env_int("APEX_NORM_AFFINE_PREFETCH", 1) != 0;
+  return on;
 }
 
 template <typename T, typename W, typename O>
 void launch_forward(ForwardParams<T, W, O> p) {
+  p.prefetch_affine = affine_prefetch();
   constexpr int kV = apex::vector_width<T, W, O>();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
                        aligned16(p.residual_out) && aligned16(p.weight) && aligned16(p.bias);
   const int64_t vectors = p.hidden / kV;
   if (aligned && p.hidden % kV == 0 && vectors <= static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
-    p.group_threads = group_threads_for(vectors, forward_vecs_per_thread(p.rows, vectors));
+    p.group_threads = group_threads_for(vectors, kForwardVecs);
     const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
     const int groups = block / p.group_threads;
     const int64_t tiles = ceil_div(p.rows, groups);
