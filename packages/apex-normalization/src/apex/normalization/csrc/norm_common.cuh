@@ -279,11 +279,6 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// Brings the 128-byte line holding `p` into L1 (no register is written; nothing waits for it).
-__device__ __forceinline__ void prefetch_l1(const void* p) {
-  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
-}
-
 // An integer from the environment (tuning switches), or `fallback` when unset or empty.
 inline int env_int(const char* name, int fallback) {
   const char* value = std::getenv(name);

@@ -46,7 +46,6 @@ struct ForwardParams {
   int64_t hidden;
   float eps;
   bool rms;
-  bool prefetch_affine;  // prefetch.global.L1 of the weight and bias before the reduction
   int group_threads;
 };
 
@@ -157,18 +156,6 @@ __global__ void __launch_bounds__(kMaxThreads) forward_in_registers(const Forwar
           x[k].val[j] = static_cast<T>(static_cast<float>(x[k].val[j]) + static_cast<float>(r.val[j]));
         }
         store_vec(p.residual_out + at, x[k]);
-      }
-    }
-
-    if (p.prefetch_affine) {
-      // The weight and bias are read after the row reduction. Asking now for their lines in L1
-      // takes the trip to L2 off that path without holding registers across the reduction.
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        if (!valid[k]) continue;
-        const int col = (g.lane + k * g.threads) * kV;
-        if (p.weight != nullptr) prefetch_l1(p.weight + col);
-        if (p.bias != nullptr) prefetch_l1(p.bias + col);
       }
     }
 
@@ -327,15 +314,8 @@ inline int prefetch_mode() {
   return mode;
 }
 
-// APEX_NORM_AFFINE_PREFETCH=0 turns the L1 prefetch of the weight and bias off (tuning switch).
-inline bool affine_prefetch() {
-  static const bool on = env_int("APEX_NORM_AFFINE_PREFETCH", 1) != 0;
-  return on;
-}
-
 template <typename T, typename W, typename O>
 void launch_forward(ForwardParams<T, W, O> p) {
-  p.prefetch_affine = affine_prefetch();
   constexpr int kV = apex::vector_width<T, W, O>();
   const auto stream = at::cuda::getCurrentCUDAStream();
   const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
