@@ -4,6 +4,7 @@
 # `bench_norms.py --quick` (device time of ours and eager PyTorch only), its table saved to
 # OUTDIR/sweep_<n>.md, and the large shapes printed. The switches that exist today:
 #   APEX_NORM_PREFETCH  forward: cp.async of the next tile (0 off, 1 auto, 2 always)
+#   APEX_NORM_CARVEOUT  1 (default): ask for the largest shared-memory carveout; 0: the driver chooses
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail
