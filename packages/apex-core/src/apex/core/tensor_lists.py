@@ -8,25 +8,35 @@ import torch
 
 
 def flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One contiguous 1-D tensor holding ``tensors`` back to back (all of one dtype and device)."""
+    """One contiguous 1-D tensor holding ``tensors`` back to back (all of one dtype and device).
+
+    The copy is one call into PyTorch's C++ ``flatten_dense_tensors``: a reshape per tensor from
+    Python cost about 5 us each of host time, which a data-parallel step pays per gradient.
+    """
     if len(tensors) == 0:
         raise ValueError("flatten: tensors is empty")
-    dtypes = {t.dtype for t in tensors}
-    devices = {t.device for t in tensors}
-    if len(dtypes) > 1:
-        raise TypeError(f"flatten: tensors mix dtypes {sorted(str(d) for d in dtypes)}")
-    if len(devices) > 1:
+    first = tensors[0]
+    dtype, device = first.dtype, first.device
+    if any(t.dtype != dtype or t.device != device for t in tensors):
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise TypeError(f"flatten: tensors mix dtypes {sorted(str(d) for d in dtypes)}")
+        devices = {t.device for t in tensors}
         raise ValueError(f"flatten: tensors are on several devices {sorted(str(d) for d in devices)}")
-    return torch.cat([t.reshape(-1) for t in tensors])
+    if len(tensors) == 1:  # PyTorch's returns a view of a lone contiguous tensor; this is always a copy
+        return first.reshape(-1).clone()
+    return torch._utils._flatten_dense_tensors(tensors)
 
 
 def unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Views into ``flat`` shaped like each of ``tensors``, in order (the inverse of :func:`flatten`)."""
-    total = sum(t.numel() for t in tensors)
+    """Views into ``flat`` shaped like each of ``tensors``, in order (the inverse of :func:`flatten`).
+
+    One call into PyTorch's C++ ``unflatten_dense_tensors`` (see :func:`flatten`)."""
+    sizes = [t.numel() for t in tensors]
+    total = sum(sizes)
     if flat.dim() != 1 or flat.numel() != total:
         raise ValueError(f"unflatten: flat has shape {tuple(flat.shape)}, expected ({total},) for these tensors")
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat.narrow(0, offset, t.numel()).view_as(t))
-        offset += t.numel()
+    views = list(torch._utils._unflatten_dense_tensors(flat, tensors))
+    if 0 in sizes:  # PyTorch's gives empty tensors a fresh 1-D (0,) buffer: keep views of their shape
+        views = [flat.narrow(0, 0, 0).view(t.shape) if n == 0 else v for t, v, n in zip(tensors, views, sizes)]
     return views
