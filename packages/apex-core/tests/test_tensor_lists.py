@@ -25,3 +25,23 @@ def test_flatten_errors():
         flatten([torch.ones(2), torch.ones(2, dtype=torch.float16)])
     with pytest.raises(ValueError, match=r"unflatten: flat has shape \(5,\), expected \(4,\)"):
         unflatten(torch.ones(5), [torch.ones(2), torch.ones(2)])
+
+
+def test_flatten_copies_a_lone_tensor_and_reads_non_contiguous_ones(device):
+    lone = torch.randn(3, 4, device=device)
+    before = lone.clone()
+    flat = flatten([lone])
+    assert torch.equal(flat, before.reshape(-1))
+    flat.fill_(7)  # a copy: the source is untouched
+    assert torch.equal(lone, before)
+    transposed = torch.randn(4, 3, device=device).t()
+    tensors = [transposed, torch.randn(2, device=device)]
+    flat = flatten(tensors)
+    assert torch.equal(flat[:12], transposed.reshape(-1))
+
+
+def test_unflatten_keeps_the_shape_of_empty_tensors(device):
+    tensors = [torch.randn(2, device=device), torch.empty(0, 5, device=device), torch.randn(3, device=device)]
+    views = unflatten(flatten(tensors), tensors)
+    assert [tuple(v.shape) for v in views] == [(2,), (0, 5), (3,)]
+    torch._foreach_copy_(tensors, views)  # shapes match, as DistributedDataParallel's write-back needs
