@@ -37,21 +37,44 @@ if ! $PY -c "import hatchling" 2>/dev/null && compgen -G ".whl/hatchling-*.whl" 
   $PY -m pip install -q --no-index --find-links .whl hatchling >>"$OUT/build.log" 2>&1
 fi
 has_hatchling=$($PY -c "import hatchling" 2>/dev/null && echo yes || echo no)
-while read -r kind folder; do
+LOGS=$(mktemp -d)  # per-package logs, appended to build.log at the end (the device returns few files)
+install() {  # kind folder jobs: one package; its log and exit status in $LOGS/<name>.log and .rc
+  local kind=$1 folder=$2 jobs=$3 name start rc
+  name=$(basename "$folder")
   start=$SECONDS
   if [[ $kind == kernel ]]; then
-    APEX_BUILD_OPS=1 $PY -m pip install --no-deps --no-build-isolation --no-index -v "$folder" >>"$OUT/build.log" 2>&1
+    MAX_JOBS=$jobs APEX_BUILD_OPS=1 $PY -m pip install --no-deps --no-build-isolation --no-index -v "$folder" \
+      >"$LOGS/$name.log" 2>&1
   elif [[ $has_hatchling == yes ]]; then
-    $PY -m pip install --no-deps --no-build-isolation --no-index "$folder" >>"$OUT/build.log" 2>&1
+    $PY -m pip install --no-deps --no-build-isolation --no-index "$folder" >"$LOGS/$name.log" 2>&1
   else
-    echo "hatchling missing: $folder/src goes on PYTHONPATH (no entry points; found by namespace scan)" >>"$OUT/build.log"
-    export PYTHONPATH="$folder/src${PYTHONPATH:+:$PYTHONPATH}"
-    true
+    echo "hatchling missing: $folder/src goes on PYTHONPATH (no entry points; found by namespace scan)" \
+      >"$LOGS/$name.log"
   fi
   rc=$?
-  echo "== $kind $(basename "$folder"): rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/build.log"
-  [[ $rc == 0 ]] || failed+=("build $(basename "$folder")")
-done < <($PY tools/workspace.py order)
+  echo "$rc" >"$LOGS/$name.rc"
+  echo "== $kind $name: rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/build.log"
+}
+# The first package (apex-core, which every other one builds against) alone with every core;
+# then the others at once, the cores shared among the kernel packages.
+mapfile -t order < <($PY tools/workspace.py order)
+read -r kind folder <<<"${order[0]}"
+install "$kind" "$folder" "$MAX_JOBS"
+kernels=$(printf '%s\n' "${order[@]:1}" | grep -c '^kernel ' || true)
+jobs=$((MAX_JOBS / (kernels > 0 ? kernels : 1)))
+for line in "${order[@]:1}"; do
+  read -r kind folder <<<"$line"
+  install "$kind" "$folder" "$((jobs > 0 ? jobs : 1))" &
+done
+wait
+for line in "${order[@]}"; do
+  read -r kind folder <<<"$line"
+  name=$(basename "$folder")
+  { echo "---- $name"; cat "$LOGS/$name.log"; } >>"$OUT/build.log"
+  [[ $(cat "$LOGS/$name.rc" 2>/dev/null) == 0 ]] || failed+=("build $name")
+  # Without hatchling the pure packages are imported from their sources.
+  if [[ $kind == pure && $has_hatchling == no ]]; then export PYTHONPATH="$folder/src${PYTHONPATH:+:$PYTHONPATH}"; fi
+done
 
 # 2. Every kernel library must load ahead-of-time: a fallback here is a failure, not a warning.
 cd /tmp
