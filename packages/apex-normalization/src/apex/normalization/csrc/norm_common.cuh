@@ -235,36 +235,6 @@ __device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* 
   }
 }
 
-// One butterfly step of a Welford merge; both partners merge (lower lane, upper lane) in that
-// order, so they end with the same bits.
-__device__ __forceinline__ apex::Welford<float> welford_xor_step(const apex::Welford<float>& w, int offset) {
-  apex::Welford<float> other{};
-  other.mean = __shfl_xor_sync(0xffffffffu, w.mean, offset);
-  other.m2 = __shfl_xor_sync(0xffffffffu, w.m2, offset);
-  other.count = __shfl_xor_sync(0xffffffffu, w.count, offset);
-  const bool upper = (threadIdx.x & offset) != 0;
-  return upper ? apex::welford_merge(other, w) : apex::welford_merge(w, other);
-}
-
-// Merges the per-thread states of the group. scratch: one slot per warp of the block.
-template <typename Group>
-__device__ __forceinline__ apex::Welford<float> group_welford(apex::Welford<float> w, const Group& g,
-                                                              apex::Welford<float>* scratch) {
-  const int width = g.threads < kWarp ? g.threads : kWarp;
-  for (int offset = width / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
-  if (g.threads <= kWarp) return w;
-  const int warp = g.lane / kWarp;
-  const int lane = g.lane % kWarp;
-  const int warps = g.threads / kWarp;
-  apex::Welford<float>* slots = scratch + g.first_warp_slot();
-  g.sync();
-  if (lane == 0) slots[warp] = w;
-  g.sync();
-  w = lane < warps ? slots[lane] : apex::Welford<float>{};
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) w = welford_xor_step(w, offset);
-  return w;
-}
-
 // Asynchronous copies into shared memory (cp.async, 16 bytes each), used to fetch the next tile's
 // rows while the current one is reduced and written. Every thread copies exactly the vectors it
 // will read back itself, so no barrier is needed: waiting for its own copies is enough.
