@@ -13,18 +13,15 @@ holds the bars.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from apex.core.testing import run_ranks
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,20 +55,12 @@ def variants_for(factory, base, rank: int) -> dict[str, nn.Module]:
     }
 
 
-def worker(rank: int, store: str, args: argparse.Namespace) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=300),
-        device_id=torch.device("cuda", rank),
-    )
+def worker(rank: int, world_size: int, rounds: int, count: int) -> list[str]:
+    """One rank's runs; returns the report lines (rank 0's are printed)."""
     bench = load_bench()
     device = torch.device("cuda", rank)
     torch.backends.cudnn.benchmark = True
-    say = print if rank == 0 else (lambda *a, **k: None)
+    lines: list[str] = []
     for name in ("ResNet-50", "GPT-124M"):
         factory, (inputs, targets), loss_fn = bench.model_case(name, device)
         torch.manual_seed(0)
@@ -85,21 +74,23 @@ def worker(rank: int, store: str, args: argparse.Namespace) -> None:
             steps(key, 4)
         keys = list(variants)
         times: dict[str, list[float]] = {key: [] for key in keys}
-        for r in range(args.rounds):
+        for r in range(rounds):
             for key in keys if r % 2 == 0 else keys[::-1]:
-                times[key].append(steps(key, args.steps))
+                times[key].append(steps(key, count))
         for key in keys:
-            rounds = ", ".join(f"{t:.1f}" for t in times[key])
-            say(f"{name} {key}: {statistics.median(times[key]):.2f} ms/step (rounds: {rounds})", flush=True)
+            spread = ", ".join(f"{t:.1f}" for t in times[key])
+            lines.append(f"{name} {key}: {statistics.median(times[key]):.2f} ms/step (rounds: {spread})")
         for key in ("ours", "torch"):
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
                 steps(key, 3)
-            say(f"--- {name} {key}: three steps")
-            say(prof.key_averages().table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50))
+            lines.append(f"--- {name} {key}: three steps")
+            lines.append(
+                prof.key_averages().table(sort_by="self_device_time_total", row_limit=10, max_name_column_width=50)
+            )
         del variants, optimizers, steps
         torch.cuda.empty_cache()
-    dist.destroy_process_group()
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.device_count() < 2:
         print("profile_ddp: needs 2 CUDA devices", file=sys.stderr)
         return 1
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.start_processes(worker, args=(store, args), nprocs=2, join=True, start_method="spawn")
+    lines = run_ranks(__file__, "worker", 2, backend="nccl", args=(args.rounds, args.steps), timeout=1800)[0]
+    print("\n".join(lines))
     return 0
 
 

@@ -14,16 +14,14 @@ This is for finding where time goes; bench_parallel.py holds the bars.
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from apex.core.testing import run_ranks
 
 SHAPES = [("NHWC", 64, 56, 56), ("NHWC", 2048, 7, 7), ("NCHW", 256, 56, 56)]
 PROFILED = {("NHWC", 64), ("NHWC", 2048)}
@@ -51,22 +49,14 @@ def host_us(call, count: int = 50) -> float:
     return elapsed
 
 
-def worker(rank: int, store: str) -> None:
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-        device_id=torch.device("cuda", rank),
-    )
+def worker(rank: int, world_size: int) -> list[str]:
+    """One rank's runs; returns the report lines (rank 0's are printed)."""
     from apex.core.benchmarking import time_ms
     from apex.parallel import SyncBatchNorm
 
     device = torch.device("cuda", rank)
-    say = print if rank == 0 else (lambda *a, **k: None)
-    bare_collectives(device, say)
+    lines: list[str] = []
+    bare_collectives(device, lines.append)
     for layout, c, h, w in SHAPES:
         fmt = torch.channels_last if layout == "NHWC" else torch.contiguous_format
         x = torch.randn(64, c, h, w, device=device, dtype=torch.bfloat16).contiguous(memory_format=fmt)
@@ -82,7 +72,7 @@ def worker(rank: int, store: str) -> None:
             host = host_us(call)
             both = time_ms([call], 20) * 1e3
             forward = time_ms([lambda bn=bn, x=x: bn(x)], 20) * 1e3
-            say(
+            lines.append(
                 f"{layout} 64x{c}x{h}x{w} {name}: forward+backward {both:.0f} us device, {host:.0f} us host; "
                 f"forward {forward:.0f} us device"
             )
@@ -95,16 +85,16 @@ def worker(rank: int, store: str) -> None:
                 table = prof.key_averages().table(
                     sort_by="self_device_time_total", row_limit=14, max_name_column_width=60
                 )
-                say(table)
-    dist.destroy_process_group()
+                lines.append(table)
+    return lines
 
 
 def main() -> int:
     if torch.cuda.device_count() < 2:
         print("profile_syncbn: needs 2 CUDA devices", file=sys.stderr)
         return 1
-    store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.start_processes(worker, args=(store,), nprocs=2, join=True, start_method="spawn")
+    lines = run_ranks(__file__, "worker", 2, backend="nccl", timeout=900)[0]
+    print("\n".join(lines))
     return 0
 
 
