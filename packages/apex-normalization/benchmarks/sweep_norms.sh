@@ -4,7 +4,7 @@
 # `bench_norms.py --quick` (device time of ours and eager PyTorch only), its table saved to
 # OUTDIR/sweep_<n>.md, and the large shapes printed. The switches that exist today:
 #   APEX_NORM_PREFETCH  forward: cp.async of the next tile (0 off, 1 auto, 2 always)
-#   APEX_NORM_CARVEOUT  1 (default): ask for the largest shared-memory carveout; 0: the driver chooses
+#   APEX_NORM_FWD_SMALL forward: the small-row kernel for one-wave problems (1 default, 0 off)
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail
@@ -18,5 +18,5 @@ for combo in "$@"; do
   # shellcheck disable=SC2086  # the combination is a list of VAR=value words
   env $combo python3 "$HERE/bench_norms.py" --samples 10 --quick >"$OUT/sweep_$n.md" 2>&1
   echo "== $n: $combo"
-  grep -E "^\| (layer|rms)_norm \| (16384x4096|8192x8192|4096x16384|32768x1024) " "$OUT/sweep_$n.md" | cut -d'|' -f2-5,11
+  grep -E "^\| (layer|rms)_norm \| (16384x4096|8192x8192|4096x16384|32768x1024|1024x1024|128x4096) " "$OUT/sweep_$n.md" | cut -d'|' -f2-5,11
 done

@@ -79,20 +79,14 @@ void dispatch_backward_types(const BackwardArgs& a, F&& f) {
                       std::forward<F>(f));
 }
 
-// xhat and wdy of N elements at column `col` of a row; xhat holds the saved values on entry.
+// xhat and wdy of N elements at column `col` of a row; xhat holds the saved values on entry, w the
+// weight of these columns (read only when has_weight).
 template <int N, typename W>
-__device__ __forceinline__ void xhat_and_wdy(float (&xhat)[N], float (&wdy)[N], const float (&dy)[N],
-                                             const W* weight, const W* bias, bool memory_efficient, int col,
+__device__ __forceinline__ void xhat_and_wdy(float (&xhat)[N], float (&wdy)[N], const float (&dy)[N], bool has_weight,
+                                             const float (&w)[N], const W* bias, bool memory_efficient, int col,
                                              float mean, float rstd) {
-  float w[N];
-  if (weight != nullptr) {
-    load_floats(w, weight + col);
 #pragma unroll
-    for (int j = 0; j < N; ++j) wdy[j] = dy[j] * w[j];
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; ++j) wdy[j] = dy[j];
-  }
+  for (int j = 0; j < N; ++j) wdy[j] = has_weight ? dy[j] * w[j] : dy[j];
   if (memory_efficient) {
     if (bias != nullptr) {
       float b[N];
@@ -100,7 +94,7 @@ __device__ __forceinline__ void xhat_and_wdy(float (&xhat)[N], float (&wdy)[N], 
 #pragma unroll
       for (int j = 0; j < N; ++j) xhat[j] -= b[j];
     }
-    if (weight != nullptr) {
+    if (has_weight) {
 #pragma unroll
       for (int j = 0; j < N; ++j) xhat[j] /= w[j];
     }

@@ -289,7 +289,10 @@ inline int resident_blocks(const void* kernel, int threads, size_t smem) {
 // Lets `kernel` use `bytes` of dynamic shared memory on the current device; the attribute is set
 // once per kernel, device and size. Always set, not only past 48 KiB: the default limit counts
 // the kernel's static shared memory too, so 48 KiB of dynamic memory alone can exceed it.
-inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
+// max_shared_carveout asks for the largest shared-memory carveout, so that as many blocks fit as
+// the occupancy calculation (resident_blocks) counted on; it also leaves the least L1 (28 KiB on
+// the H200). Without it the driver chooses.
+inline void allow_dynamic_smem(const void* kernel, size_t bytes, bool max_shared_carveout) {
   if (bytes == 0) return;
   static std::mutex mutex;
   static std::map<std::tuple<const void*, int>, size_t> allowed;
@@ -298,12 +301,7 @@ inline void allow_dynamic_smem(const void* kernel, size_t bytes) {
   size_t& current = allowed[std::make_tuple(kernel, device)];
   if (current >= bytes) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  // Ask for the largest shared-memory carveout, so that as many blocks fit as the occupancy
-  // calculation (resident_blocks) counted on. It also leaves the least L1 (28 KiB on the H200);
-  // APEX_NORM_CARVEOUT=0 leaves the choice to the driver (tuning switch: the backward measured
-  // 0.150-0.154 ms at 16384x4096 bf16 before the hint and 0.175 ms with it, on other machines).
-  static const bool max_shared = env_int("APEX_NORM_CARVEOUT", 1) != 0;
-  if (max_shared) {
+  if (max_shared_carveout) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                         static_cast<int>(cudaSharedmemCarveoutMaxShared)));
   }
