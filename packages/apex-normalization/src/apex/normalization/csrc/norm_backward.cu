@@ -144,7 +144,8 @@ template <typename T, typename W, typename O, bool kEfficient, int kVecs,
 __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column sums are accessed as float4");
-  __shared__ float scratch[2 * (kMaxThreads / kWarp)];
+  __shared__ float scratch[2 * 2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of two sums per warp
+  int turn = 0;
   extern __shared__ float4 accumulators[];
   const RowGroup g(p.group_threads);
   const int vectors = static_cast<int>(p.hidden / kV);
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
       }
       if (accumulate) accumulate_columns<kV>(acc_w, acc_b, v, vectors, dxhat, dy);
     }
-    group_sum(sums, g, scratch);
+    group_sum(sums, g, scratch, turn);
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
 
@@ -256,7 +257,7 @@ bool backward_registers(const BackwardArgs& a) {
   const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
   // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
   // block; those take the streaming path.
-  const size_t static_smem = 2 * (kMaxThreads / kWarp) * sizeof(float);
+  const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
   if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
   const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
   // The driver's carveout, not the largest: 3 blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms

@@ -19,7 +19,8 @@ template <typename T, typename W, typename O, typename S>
 __global__ void __launch_bounds__(kStreamingThreads) backward_streaming_kernel(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   constexpr int kInFlight = 2;
-  __shared__ float scratch[2 * (kStreamingThreads / kWarp)];
+  __shared__ float scratch[2 * 2 * (kStreamingThreads / kWarp)];  // group_sum: two buffers of two sums per warp
+  int turn = 0;
   const BlockRowGroup block_group(static_cast<int>(blockDim.x));
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
 
@@ -73,7 +74,7 @@ __global__ void __launch_bounds__(kStreamingThreads) backward_streaming_kernel(c
           }
         },
         x, dy, p.weight, p.bias);
-    group_sum(sums, block_group, scratch);
+    group_sum(sums, block_group, scratch, turn);
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
 

@@ -208,9 +208,12 @@ struct BasicRowGroup {
 using RowGroup = BasicRowGroup<true>;
 using BlockRowGroup = BasicRowGroup<false>;
 
-// Sums v[0..N) over the group. scratch: one slot of N floats per warp of the block.
+// Sums v[0..N) over the group. scratch: two buffers, each of one slot of N floats per warp of the
+// block; `turn` (0 before a thread's first call) picks the buffer and alternates. A reduction
+// then needs one barrier, not two: the readers of the buffer it writes (two reductions back)
+// are done with it, as they have passed the barrier of the reduction in between.
 template <int N, typename Group>
-__device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* scratch) {
+__device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* scratch, int& turn) {
   const int width = g.threads < kWarp ? g.threads : kWarp;
   for (int offset = width / 2; offset > 0; offset /= 2) {
 #pragma unroll
@@ -220,8 +223,8 @@ __device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* 
   const int warp = g.lane / kWarp;
   const int lane = g.lane % kWarp;
   const int warps = g.threads / kWarp;
-  float* slots = scratch + g.first_warp_slot() * N;
-  g.sync();  // the previous reduction's readers are done with the slots
+  float* slots = scratch + (turn * (static_cast<int>(blockDim.x) / kWarp) + g.first_warp_slot()) * N;
+  turn ^= 1;
   if (lane == 0) {
 #pragma unroll
     for (int n = 0; n < N; ++n) slots[warp * N + n] = v[n];

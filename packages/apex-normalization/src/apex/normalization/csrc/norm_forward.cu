@@ -116,7 +116,8 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
     forward_in_registers(const ForwardParams<T, W, O> p) {
   constexpr int kV = apex::vector_width<T, W, O>();
   static_assert(sizeof(Vec<T, kV>) == 16, "T is the narrowest type: one 16-byte vector");
-  __shared__ float sum_scratch[kMaxThreads / kWarp];
+  __shared__ float sum_scratch[2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of one sum per warp
+  int turn = 0;
   extern __shared__ uint4 staged[];
   const BlockRowGroup g(p.group_threads);  // a multi-warp group is the whole block
   const int vectors = static_cast<int>(p.hidden / kV);
@@ -213,7 +214,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
           squares[0] += f * f;
         }
       }
-      group_sum(squares, g, sum_scratch);
+      group_sum(squares, g, sum_scratch, turn);
       rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
     } else {
       // Exact two-pass statistics of the row held in registers: the mean, then the sum of
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
 #pragma unroll
         for (int j = 0; j < kV; ++j) sums[0] += static_cast<float>(x[k].val[j]);
       }
-      group_sum(sums, g, sum_scratch);
+      group_sum(sums, g, sum_scratch, turn);
       mean = sums[0] * inv_hidden;
       float squares[1] = {0.0f};
 #pragma unroll
@@ -236,7 +237,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
           squares[0] += d * d;
         }
       }
-      group_sum(squares, g, sum_scratch);
+      group_sum(squares, g, sum_scratch, turn);
       rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
     }
     if (row_valid && g.lane == 0) {
