@@ -40,6 +40,9 @@ SHAPES = [
     ((3, 65536), 1),
 ]
 SMALL_SHAPES = [SHAPES[i] for i in (1, 3, 5, 6, 7, 9)]
+# More rows than one wave of blocks holds on an H200: blocks walk several tiles, and the weight
+# and bias gradients are added from many partial rows.
+MANY_ROWS = [((8192, 1024), 1), ((1536, 8192), 1)]
 
 
 def cases(shapes):
@@ -199,6 +202,13 @@ def test_layer_norm(where, shape, ndim, dtype, affine, memory_efficient):
 @pytest.mark.parametrize(("where", "shape", "ndim"), cases(SHAPES))
 def test_rms_norm(where, shape, ndim, dtype, affine, memory_efficient):
     check(where, shape, ndim, dtype, rms=True, weight=affine == "weight", memory_efficient=memory_efficient)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("where", "shape", "ndim"), cases(MANY_ROWS))
+def test_many_rows(where, shape, ndim, dtype, rms):
+    check(where, shape, ndim, dtype, rms)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])

@@ -14,6 +14,7 @@
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -27,7 +28,28 @@ namespace {
 
 constexpr int kBackwardVecs = 2;
 // Threads per block: several row groups per block keep the number of partial rows low.
-constexpr int kBackwardBlock = 512;
+// APEX_NORM_BWD_BLOCK (256, 512 or 1024) changes it, for tuning.
+inline int backward_block() {
+  static const int block = [] {
+    const int wanted = env_int("APEX_NORM_BWD_BLOCK", 512);
+    return wanted == 256 || wanted == 1024 ? wanted : 512;
+  }();
+  return block;
+}
+// Blocks per thread-block cluster (sm_90 and later) whose column sums are added through
+// distributed shared memory into one partial row. Each resident block writes a row of partials,
+// 8 bytes per column with a bias, which sum_partials reads again: on an H200 (2 blocks of 512
+// threads per SM, 264 rows) that adds 4.3% to the 6 bytes per element of 16384x4096 bf16 and
+// 8.6% at 8192x8192 and 4096x16384, where the backward takes 7% and 13% longer than at
+// 16384x4096 for the same bytes. Clusters of 2 or 4 write half or a quarter of the rows.
+// APEX_NORM_BWD_CLUSTER (1, 2 or 4; 1: no clusters) is a tuning switch, not measured yet.
+inline int backward_cluster() {
+  static const int cluster = [] {
+    const int wanted = env_int("APEX_NORM_BWD_CLUSTER", 1);
+    return wanted == 2 || wanted == 4 ? wanted : 1;
+  }();
+  return cluster;
+}
 
 // The column sums of a row group live in its region of shared memory, [2][hidden] floats (weight,
 // then bias), each half stored as planes of float4: piece q (columns 4q..4q+3) of vector v at
@@ -93,6 +115,44 @@ __device__ __forceinline__ void write_partial_row(const float* all, int groups, 
     out_w[col] = w;
     if (out_b != nullptr) out_b[col] = b;
   }
+}
+
+// With clusters: the column sums of all blocks of the cluster, added in block-rank then group
+// order, become row (blockIdx.x / cluster size) of the partials; each block writes a slice of it,
+// reading the other blocks' shared memory, which must stay alive until all of them are done.
+template <int kV>
+__device__ __forceinline__ void write_cluster_partial_row(const float* all, int groups, int64_t hidden,
+                                                          float* partial_weight, float* partial_bias) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  const int blocks = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int vectors = static_cast<int>(hidden / kV);
+  const int64_t part = blockIdx.x / blocks;
+  float* out_w = partial_weight + part * hidden;
+  float* out_b = partial_bias != nullptr ? partial_bias + part * hidden : nullptr;
+  const int64_t slice = ceil_div(hidden, blocks);
+  const int64_t end = hidden < (rank + 1) * slice ? hidden : (rank + 1) * slice;
+  for (int64_t col = rank * slice + threadIdx.x; col < end; col += blockDim.x) {
+    const int at = plane_index<kV>(static_cast<int>(col), vectors);
+    float w = 0.0f;
+    float b = 0.0f;
+    for (int r = 0; r < blocks; ++r) {
+      const float* remote = cluster.map_shared_rank(all, r);
+      for (int group = 0; group < groups; ++group) {
+        w += remote[2 * group * hidden + at];
+        b += remote[(2 * group + 1) * hidden + at];
+      }
+    }
+    out_w[col] = w;
+    if (out_b != nullptr) out_b[col] = b;
+  }
+  cluster.sync();
+#else
+  __trap();  // the host asks for clusters only where the device has them
+#endif
 }
 
 // Makes the compiler forget the bits of v, so that values computed from v before this point are
@@ -211,8 +271,12 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
                    p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (accumulate) {
-    write_partial_row<kV>(reinterpret_cast<const float*>(accumulators), g.count, p.hidden, p.partial_weight,
-                          p.partial_bias);
+    const float* all = reinterpret_cast<const float*>(accumulators);
+    if (p.cluster > 1) {
+      write_cluster_partial_row<kV>(all, g.count, p.hidden, p.partial_weight, p.partial_bias);
+    } else {
+      write_partial_row<kV>(all, g.count, p.hidden, p.partial_weight, p.partial_bias);
+    }
   }
 }
 
@@ -249,36 +313,63 @@ bool backward_registers(const BackwardArgs& a) {
   if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
 
   p.group_threads = group_threads_for(vectors, kBackwardVecs);
+  const int block_threads = backward_block();
   const int groups =
-      p.group_threads <= kWarp ? kBackwardBlock / p.group_threads
-                               : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
+      p.group_threads <= kWarp ? block_threads / p.group_threads
+                               : std::max(1, std::min(kMaxBarrierGroups, block_threads / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
   const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
   // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
   // block; those take the streaming path.
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
-  if (smem + static_smem > at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin) return false;
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  if (smem + static_smem > props->sharedMemPerBlockOptin) return false;
   const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
-  // The driver's carveout, not the largest: 3 blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
+  // The driver's carveout, not the largest: blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
   // fwd+bwd with it and 0.261 ms with the largest, which leaves L1 only 28 KiB.
   allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, /*max_shared_carveout=*/false);
   const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
-  const int64_t grid = std::min<int64_t>(
+  p.cluster = weight_grads && props->major >= 9 ? backward_cluster() : 1;
+  int64_t grid = std::min<int64_t>(
       tiles, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute attribute{};
+  if (p.cluster > 1) {
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = static_cast<unsigned>(p.cluster);
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    config.blockDim = dim3(static_cast<unsigned>(block));
+    config.dynamicSmemBytes = smem;
+    config.stream = at::cuda::getCurrentCUDAStream();
+    config.gridDim = dim3(static_cast<unsigned>(ceil_div(grid, p.cluster) * p.cluster));
+    int clusters = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+    // As many whole clusters as fit at once (blocks beyond the tiles only add zeros).
+    grid = std::min<int64_t>(ceil_div(grid, p.cluster), std::max(clusters, 1)) * p.cluster;
+    config.gridDim = dim3(static_cast<unsigned>(grid));
+  }
 
   at::Tensor partial_weight, partial_bias;
   if (weight_grads) {
     const auto f32 = a.saved->options().dtype(at::kFloat);
-    partial_weight = at::empty({grid, p.hidden}, f32);
+    const int64_t parts = grid / p.cluster;
+    partial_weight = at::empty({parts, p.hidden}, f32);
     p.partial_weight = partial_weight.data_ptr<float>();
     if (a.grad_bias != nullptr) {
-      partial_bias = at::empty({grid, p.hidden}, f32);
+      partial_bias = at::empty({parts, p.hidden}, f32);
       p.partial_bias = partial_bias.data_ptr<float>();
     }
   }
-  kernel<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (p.cluster > 1) {
+    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  } else {
+    kernel<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   if (weight_grads) {
     sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);
   }
