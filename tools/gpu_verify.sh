@@ -5,6 +5,10 @@
 # Needs only what a CUDA PyTorch image has: python, pip, setuptools, ninja, pytest. No network.
 #
 #   tools/gpu_verify.sh OUTDIR [pytest args...]
+#
+# APEX_DISTS="apex-normalization apex-parallel" builds, tests and benchmarks only those
+# distributions (and what they need): device time is short, and a build of everything is not
+# always wanted. APEX_BENCH_GLOB picks benchmarks; APEX_GPU_BENCH=0 skips them.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: tools/gpu_verify.sh OUTDIR [pytest args]}" && cd "$1" && pwd)
 shift
@@ -57,7 +61,8 @@ install() {  # kind folder jobs: one package; its log and exit status in $LOGS/<
 }
 # The first package (apex-core, which every other one builds against) alone with every core;
 # then the others at once, the cores shared among the kernel packages.
-mapfile -t order < <($PY tools/workspace.py order)
+# shellcheck disable=SC2086  # a list of distribution names
+mapfile -t order < <($PY tools/workspace.py order ${APEX_DISTS:-})
 read -r kind folder <<<"${order[0]}"
 install "$kind" "$folder" "$MAX_JOBS"
 kernels=$(printf '%s\n' "${order[@]:1}" | grep -c '^kernel ' || true)
@@ -90,13 +95,16 @@ sys.exit(1 if bad or data["problems"] else 0)
 PYEOF
 cd "$ROOT"
 
-# 3. Tests: the whole suite, GPU tests included (two-GPU ones run where two GPUs are visible).
-$PY -m pytest packages -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
+# 3. Tests: the packages' suites, GPU tests included (two-GPU ones run where two GPUs are visible).
+folders=()
+for line in "${order[@]}"; do folders+=("${line#* }"); done
+$PY -m pytest "${folders[@]}" -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("pytest")
 
 # 4. Benchmarks, one log (APEX_GPU_BENCH=0 skips them).
 : >"$OUT/benchmarks.log"
-for bench in ${APEX_BENCH_GLOB:-packages/*/benchmarks/bench_*.py}; do
+default_benches=$(printf '%s/benchmarks/bench_*.py ' "${folders[@]}")
+for bench in ${APEX_BENCH_GLOB:-$default_benches}; do
   [[ ${APEX_GPU_BENCH:-1} == 0 ]] && break
   [[ -e $bench ]] || continue
   echo "== $bench" | tee -a "$OUT/benchmarks.log"
