@@ -96,39 +96,29 @@ __device__ __forceinline__ void accumulate_columns(float* __restrict__ acc_w, fl
   }
 }
 
-// The groups' column sums, added in group order, become row blockIdx.x of the partials.
+// The column sums of the block's groups (with clusters: of every block of the cluster, in block
+// rank order), added in group order, become row blockIdx.x (blockIdx.x / cluster size) of the
+// partials. In a cluster each block writes a slice of the row, reading the other blocks' shared
+// memory, which must stay alive until all of them are done.
 template <int kV>
 __device__ __forceinline__ void write_partial_row(const float* all, int groups, int64_t hidden, float* partial_weight,
-                                                  float* partial_bias) {
-  __syncthreads();
-  const int vectors = static_cast<int>(hidden / kV);
-  float* out_w = partial_weight + static_cast<int64_t>(blockIdx.x) * hidden;
-  float* out_b = partial_bias != nullptr ? partial_bias + static_cast<int64_t>(blockIdx.x) * hidden : nullptr;
-  for (int col = threadIdx.x; col < hidden; col += blockDim.x) {
-    const int at = plane_index<kV>(col, vectors);
-    float w = 0.0f;
-    float b = 0.0f;
-    for (int group = 0; group < groups; ++group) {
-      w += all[2 * group * hidden + at];
-      b += all[(2 * group + 1) * hidden + at];
-    }
-    out_w[col] = w;
-    if (out_b != nullptr) out_b[col] = b;
-  }
-}
-
-// With clusters: the column sums of all blocks of the cluster, added in block-rank then group
-// order, become row (blockIdx.x / cluster size) of the partials; each block writes a slice of it,
-// reading the other blocks' shared memory, which must stay alive until all of them are done.
-template <int kV>
-__device__ __forceinline__ void write_cluster_partial_row(const float* all, int groups, int64_t hidden,
-                                                          float* partial_weight, float* partial_bias) {
+                                                  float* partial_bias, bool clustered) {
+  int blocks = 1;
+  int rank = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int blocks = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
+  if (clustered) {
+    cluster.sync();
+    blocks = static_cast<int>(cluster.num_blocks());
+    rank = static_cast<int>(cluster.block_rank());
+  } else {
+    __syncthreads();
+  }
+#else
+  if (clustered) __trap();  // the host asks for clusters only where the device has them
+  __syncthreads();
+#endif
   const int vectors = static_cast<int>(hidden / kV);
   const int64_t part = blockIdx.x / blocks;
   float* out_w = partial_weight + part * hidden;
@@ -140,18 +130,20 @@ __device__ __forceinline__ void write_cluster_partial_row(const float* all, int 
     float w = 0.0f;
     float b = 0.0f;
     for (int r = 0; r < blocks; ++r) {
-      const float* remote = cluster.map_shared_rank(all, r);
+      const float* source = all;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+      if (clustered) source = cluster.map_shared_rank(all, r);
+#endif
       for (int group = 0; group < groups; ++group) {
-        w += remote[2 * group * hidden + at];
-        b += remote[(2 * group + 1) * hidden + at];
+        w += source[2 * group * hidden + at];
+        b += source[(2 * group + 1) * hidden + at];
       }
     }
     out_w[col] = w;
     if (out_b != nullptr) out_b[col] = b;
   }
-  cluster.sync();
-#else
-  __trap();  // the host asks for clusters only where the device has them
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (clustered) cluster.sync();
 #endif
 }
 
@@ -271,12 +263,8 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
                    p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (accumulate) {
-    const float* all = reinterpret_cast<const float*>(accumulators);
-    if (p.cluster > 1) {
-      write_cluster_partial_row<kV>(all, g.count, p.hidden, p.partial_weight, p.partial_bias);
-    } else {
-      write_partial_row<kV>(all, g.count, p.hidden, p.partial_weight, p.partial_bias);
-    }
+    write_partial_row<kV>(reinterpret_cast<const float*>(accumulators), g.count, p.hidden, p.partial_weight,
+                          p.partial_bias, p.cluster > 1);
   }
 }
 
