@@ -57,8 +57,8 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
     shape = normalized_shape_tuple(normalized_shape)
     output_dtype = weight.dtype if mixed and weight is not None else None
     if residual is None:
-        return _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
-    out, residual_out, _, _ = _ops.add_norm_forward(
+        return _ops.call_norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
+    out, residual_out, _, _ = _ops.call_add_norm_forward(
         input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype
     )
     return out, residual_out

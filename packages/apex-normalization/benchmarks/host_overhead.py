@@ -1,0 +1,84 @@
+"""Host time per eager call of apex.normalization's Python API against F.layer_norm / F.rms_norm.
+
+A CPU diagnostic (no GPU needed): the ops' CPU kernels are replaced by trivial ones that only
+allocate the outputs, so what is timed is the dispatcher, autograd and Python wrapping around a
+kernel, which on a GPU is paid on the host for every call (and is the whole cost of a small
+problem). Tiny tensors (2 x 8); best of 7 runs of 3000 calls.
+
+    python packages/apex-normalization/benchmarks/host_overhead.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import apex.normalization._ops  # noqa: F401  (defines the op schemas)
+from apex.normalization.functional import fused_layer_norm_affine, fused_rms_norm_affine
+
+
+def _forward(input, weight, bias, shape, eps, rms, memory_efficient=False, output_dtype=None):
+    lead = input.shape[: input.dim() - len(shape)]
+    return (
+        torch.empty_like(input),
+        input.new_empty(lead, dtype=torch.float32),
+        input.new_empty(lead, dtype=torch.float32),
+    )
+
+
+def _backward(grad_output, saved, weight, bias, mean, rstd, shape, rms, memory_efficient, input_dtype, *rest):
+    return (
+        torch.empty_like(saved),
+        torch.empty_like(weight),
+        saved.new_empty((0,)) if bias is None else torch.empty_like(bias),
+    )
+
+
+def us_per_call(fn, calls: int = 3000, runs: int = 7) -> float:
+    for _ in range(300):
+        fn()
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    library = torch.library.Library("apex_normalization", "IMPL")
+    library.impl("norm_forward", _forward, "CPU")
+    library.impl("norm_backward", _backward, "CPU")
+    x = torch.randn(2, 8, requires_grad=True)
+    w = torch.ones(8, requires_grad=True)
+    b = torch.zeros(8, requires_grad=True)
+    dy = torch.ones(2, 8)
+    cases = {
+        "layer norm forward": (
+            lambda: F.layer_norm(x, (8,), w, b, 1e-5),
+            lambda: fused_layer_norm_affine(x, w, b, 8, 1e-5),
+        ),
+        "layer norm forward+backward": (
+            lambda: torch.autograd.grad(F.layer_norm(x, (8,), w, b, 1e-5), (x, w, b), dy),
+            lambda: torch.autograd.grad(fused_layer_norm_affine(x, w, b, 8, 1e-5), (x, w, b), dy),
+        ),
+        "rms norm forward": (lambda: F.rms_norm(x, (8,), w, 1e-5), lambda: fused_rms_norm_affine(x, w, 8, 1e-5)),
+        "rms norm forward+backward": (
+            lambda: torch.autograd.grad(F.rms_norm(x, (8,), w, 1e-5), (x, w), dy),
+            lambda: torch.autograd.grad(fused_rms_norm_affine(x, w, 8, 1e-5), (x, w), dy),
+        ),
+    }
+    print(f"torch {torch.__version__}; host us per call (trivial kernels)")
+    print("| call | torch us | ours us |\n|---|---|---|")
+    for name, (theirs, ours) in cases.items():
+        print(f"| {name} | {us_per_call(theirs):.1f} | {us_per_call(ours):.1f} |")
+        with torch.no_grad():
+            if "backward" not in name:
+                print(f"| {name}, no grad | {us_per_call(theirs):.1f} | {us_per_call(ours):.1f} |")
+
+
+if __name__ == "__main__":
+    main()
