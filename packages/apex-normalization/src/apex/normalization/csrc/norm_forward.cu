@@ -105,6 +105,23 @@ __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restri
   }
 }
 
+// Sum of (x - mean)^2 over the valid vectors a thread holds.
+template <int kVecs, typename T, int kV>
+__device__ __forceinline__ float squared_deviations(const Vec<T, kV> (&x)[kVecs], const bool (&valid)[kVecs],
+                                                    float mean) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k) {
+    if (!valid[k]) continue;
+#pragma unroll
+    for (int j = 0; j < kV; ++j) {
+      const float d = static_cast<float>(x[k].val[j]) - mean;
+      sum += d * d;
+    }
+  }
+  return sum;
+}
+
 // kPrefetch: the rows of the next tile are copied into shared memory (two buffers of
 // [groups][vectors] 16-byte vectors per source tensor: the input, and the residual if any)
 // while this tile is processed, so that loads stay in flight through the reductions.
@@ -230,16 +247,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
         for (int j = 0; j < kV; ++j) local += static_cast<float>(x[k].val[j]);
       }
       mean = local / count;
-      float m2 = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        if (!valid[k]) continue;
-#pragma unroll
-        for (int j = 0; j < kV; ++j) {
-          const float d = static_cast<float>(x[k].val[j]) - mean;
-          m2 += d * d;
-        }
-      }
+      float m2 = squared_deviations(x, valid, mean);
       group_mean_m2(mean, m2, count, g, sum_scratch, turn);
       rstd = rsqrtf(m2 * inv_hidden + p.eps);
     } else {
@@ -253,16 +261,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
       }
       group_sum(sums, g, sum_scratch, turn);
       mean = sums[0] * inv_hidden;
-      float squares[1] = {0.0f};
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        if (!valid[k]) continue;
-#pragma unroll
-        for (int j = 0; j < kV; ++j) {
-          const float d = static_cast<float>(x[k].val[j]) - mean;
-          squares[0] += d * d;
-        }
-      }
+      float squares[1] = {squared_deviations(x, valid, mean)};
       group_sum(squares, g, sum_scratch, turn);
       rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
     }
