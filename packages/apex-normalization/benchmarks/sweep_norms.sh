@@ -5,9 +5,7 @@
 # OUTDIR/sweep_<n>.md, and the large shapes printed. The switches that exist today:
 #   APEX_NORM_PREFETCH  forward: cp.async of the next tile (0 off, 1 auto, 2 always)
 #   APEX_NORM_FWD_SMALL forward: the small-row kernel for one-wave problems (1 default, 0 off)
-#   APEX_NORM_LN_MERGE  forward: layer norm statistics in one reduction (0 default, 1 on)
-#   APEX_NORM_BWD_BLOCK backward: threads per block of the in-register kernel (512 default, 256, 1024)
-#   APEX_NORM_BWD_CLUSTER backward: blocks per cluster that write one partial row (1 default, 2, 4)
+#   APEX_NORM_BWD_PREFETCH backward: cp.async of the next tile (0 off, 1 default: on when it fits)
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail

@@ -20,10 +20,7 @@ SWITCHES = {
     "prefetch-off": "APEX_NORM_PREFETCH=0",
     "prefetch-always": "APEX_NORM_PREFETCH=2",
     "forward-small-off": "APEX_NORM_FWD_SMALL=0",
-    "layer-norm-merged-statistics": "APEX_NORM_LN_MERGE=1",
-    "backward-block-1024": "APEX_NORM_BWD_BLOCK=1024",
-    "backward-cluster-2": "APEX_NORM_BWD_CLUSTER=2",
-    "backward-cluster-4": "APEX_NORM_BWD_CLUSTER=4",
+    "backward-prefetch-off": "APEX_NORM_BWD_PREFETCH=0",
 }
 CHILD_TESTS = [
     (HERE / "test_norm_numerics.py", "cuda and (test_layer_norm or test_rms_norm or test_many_rows)"),

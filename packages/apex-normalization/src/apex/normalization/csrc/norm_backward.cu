@@ -9,12 +9,13 @@
 // other thread touches them until the end, so no barrier is needed per row, and they cost no
 // registers (two per element held would not fit next to the row at 1024 threads per block).
 // The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
-// at the end a block adds its groups' accumulators in group order into its partial row.
+// at the end a block adds its groups' accumulators in group order into its partial row. Where
+// blocks walk over several tiles and shared memory allows, the next tile's rows are copied in
+// (cp.async) while a tile is reduced and written.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -27,28 +28,16 @@ namespace apex_normalization {
 namespace {
 
 constexpr int kBackwardVecs = 2;
-// Threads per block: several row groups per block keep the number of partial rows low.
-// APEX_NORM_BWD_BLOCK (256, 512 or 1024) changes it, for tuning.
-inline int backward_block() {
-  static const int block = [] {
-    const int wanted = env_int("APEX_NORM_BWD_BLOCK", 512);
-    return wanted == 256 || wanted == 1024 ? wanted : 512;
-  }();
-  return block;
-}
-// Blocks per thread-block cluster (sm_90 and later) whose column sums are added through
-// distributed shared memory into one partial row. Each resident block writes a row of partials,
-// 8 bytes per column with a bias, which sum_partials reads again: on an H200 (2 blocks of 512
-// threads per SM, 264 rows) that adds 4.3% to the 6 bytes per element of 16384x4096 bf16 and
-// 8.6% at 8192x8192 and 4096x16384, where the backward takes 7% and 13% longer than at
-// 16384x4096 for the same bytes. Clusters of 2 or 4 write half or a quarter of the rows.
-// APEX_NORM_BWD_CLUSTER (1, 2 or 4; 1: no clusters) is a tuning switch, not measured yet.
-inline int backward_cluster() {
-  static const int cluster = [] {
-    const int wanted = env_int("APEX_NORM_BWD_CLUSTER", 1);
-    return wanted == 2 || wanted == 4 ? wanted : 1;
-  }();
-  return cluster;
+// Threads per block: several row groups per block keep the number of partial rows low (256 and
+// 1024 measured no faster on the H200).
+constexpr int kBackwardBlock = 512;
+
+// APEX_NORM_BWD_PREFETCH=0 turns off the copy of the next tile's rows into shared memory while
+// a tile is processed (tuning switch; unset or 1: on when blocks walk over several tiles and the
+// copies fit).
+inline bool backward_prefetch() {
+  static const bool on = env_int("APEX_NORM_BWD_PREFETCH", 1) != 0;
+  return on;
 }
 
 // The column sums of a row group live in its region of shared memory, [2][hidden] floats (weight,
@@ -96,55 +85,26 @@ __device__ __forceinline__ void accumulate_columns(float* __restrict__ acc_w, fl
   }
 }
 
-// The column sums of the block's groups (with clusters: of every block of the cluster, in block
-// rank order), added in group order, become row blockIdx.x (blockIdx.x / cluster size) of the
-// partials. In a cluster each block writes a slice of the row, reading the other blocks' shared
-// memory, which must stay alive until all of them are done.
+// The column sums of the block's groups, added in group order, become row blockIdx.x of the
+// partials.
 template <int kV>
 __device__ __forceinline__ void write_partial_row(const float* all, int groups, int64_t hidden, float* partial_weight,
-                                                  float* partial_bias, bool clustered) {
-  int blocks = 1;
-  int rank = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cluster = cg::this_cluster();
-  if (clustered) {
-    cluster.sync();
-    blocks = static_cast<int>(cluster.num_blocks());
-    rank = static_cast<int>(cluster.block_rank());
-  } else {
-    __syncthreads();
-  }
-#else
-  if (clustered) __trap();  // the host asks for clusters only where the device has them
+                                                  float* partial_bias) {
   __syncthreads();
-#endif
   const int vectors = static_cast<int>(hidden / kV);
-  const int64_t part = blockIdx.x / blocks;
-  float* out_w = partial_weight + part * hidden;
-  float* out_b = partial_bias != nullptr ? partial_bias + part * hidden : nullptr;
-  const int64_t slice = ceil_div(hidden, blocks);
-  const int64_t end = hidden < (rank + 1) * slice ? hidden : (rank + 1) * slice;
-  for (int64_t col = rank * slice + threadIdx.x; col < end; col += blockDim.x) {
+  float* out_w = partial_weight + blockIdx.x * hidden;
+  float* out_b = partial_bias != nullptr ? partial_bias + blockIdx.x * hidden : nullptr;
+  for (int64_t col = threadIdx.x; col < hidden; col += blockDim.x) {
     const int at = plane_index<kV>(static_cast<int>(col), vectors);
     float w = 0.0f;
     float b = 0.0f;
-    for (int r = 0; r < blocks; ++r) {
-      const float* source = all;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      if (clustered) source = cluster.map_shared_rank(all, r);
-#endif
-      for (int group = 0; group < groups; ++group) {
-        w += source[2 * group * hidden + at];
-        b += source[(2 * group + 1) * hidden + at];
-      }
+    for (int group = 0; group < groups; ++group) {
+      w += all[2 * group * hidden + at];
+      b += all[(2 * group + 1) * hidden + at];
     }
     out_w[col] = w;
     if (out_b != nullptr) out_b[col] = b;
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (clustered) cluster.sync();
-#endif
 }
 
 // Makes the compiler forget the bits of v, so that values computed from v before this point are
@@ -189,13 +149,65 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
   }
 }
 
+// Copies a vector V (whole 16-byte pieces) into shared memory asynchronously (cp.async).
+template <typename V>
+__device__ __forceinline__ void stage(uint4* smem, const void* gmem) {
+  static_assert(sizeof(V) % 16 == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) {
+    copy_async16(smem + i, reinterpret_cast<const uint4*>(gmem) + i);
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ void unstage(V& dst, const uint4* smem) {
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) reinterpret_cast<uint4*>(&dst)[i] = smem[i];
+}
+
+// Starts the copies of a tile's rows (this group's row, if any) into shared memory and loads the
+// row's mean and rstd; commits one copy group, possibly empty.
+template <int kVecs, int kV, typename T, typename W, typename O, typename S>
+__device__ __forceinline__ void prefetch_rows(const BackwardParams<T, W, O, S>& p, const RowGroup& g, int64_t tile,
+                                              int64_t tiles, uint4* staged_saved, uint4* staged_dy, float& mean,
+                                              float& rstd) {
+  constexpr int kPiecesS = sizeof(Vec<S, kV>) / 16;
+  constexpr int kPiecesO = sizeof(Vec<O, kV>) / 16;
+  const int64_t row = tile * g.count + g.index;
+  if (tile < tiles && row < p.rows) {
+    const int64_t offset = row * p.hidden;
+    const int vectors = static_cast<int>(p.hidden / kV);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int v = g.lane + k * g.threads;
+      if (v < vectors) {
+        stage<Vec<S, kV>>(staged_saved + v * kPiecesS, p.saved + offset + v * kV);
+        stage<Vec<O, kV>>(staged_dy + v * kPiecesO, p.grad_output + offset + v * kV);
+      }
+    }
+    rstd = p.rstd[row];
+    if (p.mean != nullptr) mean = p.mean[row];
+  }
+  copy_async_commit();
+}
+
 // kEfficient: memory_efficient, saved is the output (S = O); else the input (S = T). A template
 // parameter: decided at run time it costs some 20 registers.
-template <typename T, typename W, typename O, bool kEfficient, int kVecs,
+// kPrefetch: the next tile's rows of the saved tensor and dy are copied into shared memory (after
+// the column accumulators: [groups][vectors] of each) while this tile is reduced and written, so
+// that loads stay in flight through the row reduction; the next row's mean and rstd are loaded
+// with them. One buffer: the copies into it are issued after the row reduction, which needed
+// every value this thread had read from it.
+// __launch_bounds__ with a minimum of one block per SM: without it ptxas gave the
+// memory_efficient kernel with float32 saved values 32 registers and 312 bytes of stack (64 and
+// 128 with it).
+template <typename T, typename W, typename O, bool kEfficient, bool kPrefetch, int kVecs,
           typename S = std::conditional_t<kEfficient, O, T>>
-__global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const BackwardParams<T, W, O, S> p) {
+__global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column sums are accessed as float4");
+  constexpr int kPiecesS = sizeof(Vec<S, kV>) / 16;
+  constexpr int kPiecesO = sizeof(Vec<O, kV>) / 16;
   __shared__ float scratch[2 * 2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of two sums per warp
   int turn = 0;
   extern __shared__ float4 accumulators[];
@@ -213,6 +225,15 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
       if (v < vectors) zero_columns<kV>(acc_w, acc_b, v, vectors);
     }
   }
+  uint4* staged = reinterpret_cast<uint4*>(accumulators) + (accumulate ? g.count * p.hidden / 2 : 0);
+  uint4* staged_saved = staged + static_cast<int64_t>(g.index) * vectors * kPiecesS;
+  uint4* staged_dy = staged + static_cast<int64_t>(g.count) * vectors * kPiecesS +
+                     static_cast<int64_t>(g.index) * vectors * kPiecesO;
+  float next_mean = 0.0f;
+  float next_rstd = 0.0f;
+  if constexpr (kPrefetch) {
+    prefetch_rows<kVecs, kV>(p, g, blockIdx.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+  }
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t row = tile * g.count + g.index;
@@ -221,18 +242,27 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
     Vec<S, kV> xs[kVecs];
     Vec<O, kV> dys[kVecs];
     bool valid[kVecs];
+    if constexpr (kPrefetch) copy_async_wait<0>();
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
       valid[k] = row_valid && v < vectors;
       if (valid[k]) {
-        xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
-        dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+        if constexpr (kPrefetch) {
+          unstage(xs[k], staged_saved + v * kPiecesS);
+          unstage(dys[k], staged_dy + v * kPiecesO);
+        } else {
+          xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
+          dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+        }
       }
     }
     float mean = 0.0f;
     float rstd = 0.0f;
-    if (row_valid) {
+    if constexpr (kPrefetch) {
+      mean = next_mean;
+      rstd = next_rstd;
+    } else if (row_valid) {
       rstd = p.rstd[row];
       if (p.mean != nullptr) mean = p.mean[row];
     }
@@ -256,6 +286,9 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
       if (accumulate) accumulate_columns<kV>(acc_w, acc_b, v, vectors, dxhat, dy);
     }
     group_sum(sums, g, scratch, turn);
+    if constexpr (kPrefetch) {
+      prefetch_rows<kVecs, kV>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+    }
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
 
@@ -264,7 +297,7 @@ __global__ void __launch_bounds__(kMaxThreads) backward_in_registers(const Backw
   }
   if (accumulate) {
     write_partial_row<kV>(reinterpret_cast<const float*>(accumulators), g.count, p.hidden, p.partial_weight,
-                          p.partial_bias, p.cluster > 1);
+                          p.partial_bias);
   }
 }
 
@@ -301,63 +334,51 @@ bool backward_registers(const BackwardArgs& a) {
   if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
 
   p.group_threads = group_threads_for(vectors, kBackwardVecs);
-  const int block_threads = backward_block();
-  const int groups =
-      p.group_threads <= kWarp ? block_threads / p.group_threads
-                               : std::max(1, std::min(kMaxBarrierGroups, block_threads / p.group_threads));
+  const int groups = p.group_threads <= kWarp
+                         ? kBackwardBlock / p.group_threads
+                         : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
-  const size_t smem = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
-  // 128 KiB for the longest rows (plus the static reduction scratch): more than some GPUs give a
-  // block; those take the streaming path.
+  const size_t accumulator_bytes = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  const size_t staged_bytes = static_cast<size_t>(groups) * vectors * (sizeof(Vec<S, kV>) + sizeof(Vec<O, kV>));
+  // 128 KiB of accumulators for the longest rows (plus the static reduction scratch): more than
+  // some GPUs give a block; those take the streaming path. The copies of the next tile's rows
+  // come on top where they fit (192 KiB at 16384 bf16).
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
-  const auto* props = at::cuda::getCurrentDeviceProperties();
-  if (smem + static_smem > props->sharedMemPerBlockOptin) return false;
-  const auto kernel = backward_in_registers<T, W, O, kEfficient, kBackwardVecs>;
+  const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  if (accumulator_bytes + static_smem > limit) return false;
+  const auto plain = backward_in_registers<T, W, O, kEfficient, false, kBackwardVecs>;
+  const auto prefetching = backward_in_registers<T, W, O, kEfficient, true, kBackwardVecs>;
+  const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
   // The driver's carveout, not the largest: blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
   // fwd+bwd with it and 0.261 ms with the largest, which leaves L1 only 28 KiB.
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, /*max_shared_carveout=*/false);
-  const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
-  p.cluster = weight_grads && props->major >= 9 ? backward_cluster() : 1;
-  int64_t grid = std::min<int64_t>(
-      tiles, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem));
-  cudaLaunchConfig_t config{};
-  cudaLaunchAttribute attribute{};
-  if (p.cluster > 1) {
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = static_cast<unsigned>(p.cluster);
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    config.blockDim = dim3(static_cast<unsigned>(block));
-    config.dynamicSmemBytes = smem;
-    config.stream = at::cuda::getCurrentCUDAStream();
-    config.gridDim = dim3(static_cast<unsigned>(ceil_div(grid, p.cluster) * p.cluster));
-    int clusters = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
-    // As many whole clusters as fit at once (blocks beyond the tiles only add zeros).
-    grid = std::min<int64_t>(ceil_div(grid, p.cluster), std::max(clusters, 1)) * p.cluster;
-    config.gridDim = dim3(static_cast<unsigned>(grid));
+  auto resident = [&](auto kernel, size_t smem) {
+    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, /*max_shared_carveout=*/false);
+    return static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem);
+  };
+  size_t smem = accumulator_bytes;
+  bool prefetch = false;
+  int64_t grid = 0;
+  if (backward_prefetch() && accumulator_bytes + staged_bytes + static_smem <= limit) {
+    grid = resident(prefetching, accumulator_bytes + staged_bytes);
+    prefetch = tiles > grid;
+    if (prefetch) smem += staged_bytes;
   }
+  if (!prefetch) grid = resident(plain, smem);
+  grid = std::min(grid, tiles);
 
   at::Tensor partial_weight, partial_bias;
   if (weight_grads) {
     const auto f32 = a.saved->options().dtype(at::kFloat);
-    const int64_t parts = grid / p.cluster;
-    partial_weight = at::empty({parts, p.hidden}, f32);
+    partial_weight = at::empty({grid, p.hidden}, f32);
     p.partial_weight = partial_weight.data_ptr<float>();
     if (a.grad_bias != nullptr) {
-      partial_bias = at::empty({parts, p.hidden}, f32);
+      partial_bias = at::empty({grid, p.hidden}, f32);
       p.partial_bias = partial_bias.data_ptr<float>();
     }
   }
-  if (p.cluster > 1) {
-    C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
-  } else {
-    kernel<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  (prefetch ? prefetching : plain)<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (weight_grads) {
     sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);
   }

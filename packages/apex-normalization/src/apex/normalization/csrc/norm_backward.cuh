@@ -51,7 +51,6 @@ struct BackwardParams {
   bool rms;
   bool memory_efficient;
   int group_threads;
-  int cluster;  // backward_in_registers: blocks of a cluster write one partial row together (1: none)
 };
 
 template <typename T, typename W, typename O, typename S>

@@ -238,50 +238,6 @@ __device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* 
   }
 }
 
-// Mean and sum of squared deviations (m2) of a row, from each thread's exact two-pass statistics
-// of the `count` elements it holds, the same count in every thread of the group. Pairs of equal
-// counts merge without a division (Chan, Golub and LeVeque: m2 = m2_a + m2_b + delta^2 n / 2,
-// delta the difference of the means, n the count of each), by shuffles within a warp; the
-// warps' results, again of equal counts, are merged by every thread in warp order from shared
-// memory. Every thread ends with the same bits (the merge is symmetric in its two sides). One
-// reduction in place of layer norm's two (the mean, then the sum of squared deviations), with
-// no cancellation. scratch and turn as for group_sum with N = 2.
-template <typename Group>
-__device__ __forceinline__ void group_mean_m2(float& mean, float& m2, float count, const Group& g, float* scratch,
-                                             int& turn) {
-  const int width = g.threads < kWarp ? g.threads : kWarp;
-  for (int offset = 1; offset < width; offset *= 2) {
-    const float other_mean = __shfl_xor_sync(0xffffffffu, mean, offset);
-    const float other_m2 = __shfl_xor_sync(0xffffffffu, m2, offset);
-    const float delta = other_mean - mean;
-    m2 = (m2 + other_m2) + delta * delta * (0.5f * count);
-    mean = 0.5f * (mean + other_mean);
-    count *= 2.0f;
-  }
-  if (g.threads <= kWarp) return;
-  const int warp = g.lane / kWarp;
-  const int lane = g.lane % kWarp;
-  const int warps = g.threads / kWarp;
-  float* slots = scratch + (turn * (static_cast<int>(blockDim.x) / kWarp) + g.first_warp_slot()) * 2;
-  turn ^= 1;
-  if (lane == 0) {
-    slots[2 * warp] = mean;
-    slots[2 * warp + 1] = m2;
-  }
-  g.sync();
-  float total = 0.0f;
-  for (int w = 0; w < warps; ++w) total += slots[2 * w];
-  mean = total / static_cast<float>(warps);
-  float within = 0.0f;
-  float between = 0.0f;
-  for (int w = 0; w < warps; ++w) {
-    const float delta = slots[2 * w] - mean;
-    within += slots[2 * w + 1];
-    between += delta * delta;
-  }
-  m2 = within + between * count;
-}
-
 // Asynchronous copies into shared memory (cp.async, 16 bytes each), used to fetch the next tile's
 // rows while the current one is reduced and written. Every thread copies exactly the vectors it
 // will read back itself, so no barrier is needed: waiting for its own copies is enough.

@@ -47,7 +47,6 @@ struct ForwardParams {
   float eps;
   bool rms;
   int group_threads;
-  int merged_count;  // forward_in_registers<..., kMerged>: elements per thread for group_mean_m2
 };
 
 // y = (x - mean) * rstd * weight + bias for the vectors of a row that a thread holds. The
@@ -129,9 +128,7 @@ __device__ __forceinline__ float squared_deviations(const Vec<T, kV> (&x)[kVecs]
 // kSmallRowBlock threads), compiled for that block size so that it has the registers to load the
 // weight and bias before its stores (write_row). The 1024-thread kernel issues each vector's
 // weight load after the previous store: at 1024x1024 bf16, RMS 0.0041 -> 0.0035 ms.
-// kMerged: layer norm statistics in one reduction (group_mean_m2, p.merged_count elements per
-// thread); a template parameter, as the run-time branch cost the other kernels registers.
-template <typename T, typename W, typename O, int kVecs, bool kPrefetch, bool kSmallRows = false, bool kMerged = false>
+template <typename T, typename W, typename O, int kVecs, bool kPrefetch, bool kSmallRows = false>
 __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
     forward_in_registers(const ForwardParams<T, W, O> p) {
   constexpr int kV = apex::vector_width<T, W, O>();
@@ -236,20 +233,6 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
       }
       group_sum(squares, g, sum_scratch, turn);
       rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
-    } else if (kMerged) {
-      // Each thread's own mean and squared deviations, merged over the group in one reduction.
-      const float count = static_cast<float>(p.merged_count);
-      float local = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kVecs; ++k) {
-        if (!valid[k]) continue;
-#pragma unroll
-        for (int j = 0; j < kV; ++j) local += static_cast<float>(x[k].val[j]);
-      }
-      mean = local / count;
-      float m2 = squared_deviations(x, valid, mean);
-      group_mean_m2(mean, m2, count, g, sum_scratch, turn);
-      rstd = rsqrtf(m2 * inv_hidden + p.eps);
     } else {
       // Exact two-pass statistics of the row held in registers: the mean, then the sum of
       // squared deviations from it (two plain sums instead of one Welford merge).
@@ -383,17 +366,9 @@ inline int prefetch_mode() {
   return mode;
 }
 
-// APEX_NORM_LN_MERGE=1: the prefetching kernel (the large problems) takes layer norm statistics in
-// one reduction (group_mean_m2) where every thread of a row group holds the same number of
-// elements; unset or 0: two reductions (tuning switch, not measured yet: the layer norm forward
-// takes 12% longer than RMS norm's one reduction).
-inline bool merged_statistics() {
-  static const bool on = env_int("APEX_NORM_LN_MERGE", 0) != 0;
-  return on;
-}
-
 // One-wave problems with rows of at most a warp's worth of vectors take the kSmallRows kernel;
-// APEX_NORM_FWD_SMALL=0 turns it off (tuning switch).
+// APEX_NORM_FWD_SMALL=0 turns it off (tuning switch). Blocks of 64 or 128 threads instead of 256
+// (more blocks over the multiprocessors) measured the same at 1024x1024 bf16 on the H200.
 inline bool small_rows() {
   static const bool on = env_int("APEX_NORM_FWD_SMALL", 1) != 0;
   return on;
@@ -408,9 +383,6 @@ void launch_forward(ForwardParams<T, W, O> p) {
   const int64_t vectors = p.hidden / kV;
   if (aligned && p.hidden % kV == 0 && vectors <= static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
     p.group_threads = group_threads_for(vectors, kForwardVecs);
-    if (!p.rms && merged_statistics() && vectors % p.group_threads == 0) {
-      p.merged_count = static_cast<int>(vectors / p.group_threads) * kV;
-    }
     const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
     const int groups = block / p.group_threads;
     const int64_t tiles = ceil_div(p.rows, groups);
@@ -418,8 +390,7 @@ void launch_forward(ForwardParams<T, W, O> p) {
     // Prefetching pays once blocks walk over several tiles; it needs two buffers per source.
     const size_t smem = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
     const auto plain = forward_in_registers<T, W, O, kForwardVecs, false>;
-    const auto prefetching = p.merged_count > 0 ? forward_in_registers<T, W, O, kForwardVecs, true, false, true>
-                                                : forward_in_registers<T, W, O, kForwardVecs, true>;
+    const auto prefetching = forward_in_registers<T, W, O, kForwardVecs, true>;
     const size_t budget = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 2048;
     bool prefetch = prefetch_mode() != 0 && smem <= budget;
     int64_t resident = 0;
