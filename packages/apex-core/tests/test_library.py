@@ -105,3 +105,38 @@ def test_caller_compiles_fullgraph():
     (grad_x,) = torch.autograd.grad(y.sum(), [x])
     torch.testing.assert_close(y, 0.5 * x.detach() ** 2 * w.detach())
     torch.testing.assert_close(grad_x, x.detach() * w.detach())
+
+
+def test_caller_calls_the_op_where_its_autograd_is_native():
+    """A kernel registered for the device's own autograd key (as a compiled library registers
+    AutogradCUDA) takes over from the Python registration; the caller then calls the op."""
+    schema = "native_square(Tensor x, Tensor? w, float scale) -> (Tensor y, Tensor x_sum)"
+    op = define(LIB, schema, _reference, _fake)
+    call = register_autograd(op, _backward, _setup_context)
+    x, w = leaves()
+    y, _ = call(x, w, 1.0)
+    assert type(y.grad_fn).__name__ == "native_squareBackward"  # no native kernel yet
+
+    class Native(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, scale):
+            with torch._C._AutoDispatchBelowAutograd():
+                y, total = op(x, w, scale)
+            ctx.mark_non_differentiable(total)
+            ctx.save_for_backward(x, w)
+            ctx.scale = scale
+            return y, total
+
+        @staticmethod
+        def backward(ctx, grad_y, _grad_sum):
+            return _backward(ctx, grad_y, _grad_sum)
+
+    library = torch.library.Library(LIB.name, "IMPL")
+    library.impl("native_square", lambda x, w, scale: Native.apply(x, w, scale), "AutogradCPU")
+    try:
+        y, _ = call(x, w, 1.0)
+        assert type(y.grad_fn).__name__ == "NativeBackward"
+        (grad_x,) = torch.autograd.grad(y.sum(), [x])
+        torch.testing.assert_close(grad_x, 2.0 * x.detach() * w.detach())
+    finally:
+        library._destroy()

@@ -5,12 +5,19 @@ allocate the outputs, so what is timed is the dispatcher, autograd and Python wr
 kernel, which on a GPU is paid on the host for every call (and is the whole cost of a small
 problem). Tiny tensors (2 x 8); best of 7 runs of 3000 calls.
 
-    python packages/apex-normalization/benchmarks/host_overhead.py
+With --native, csrc/norm_autograd.cpp is compiled for AutogradCPU (as the CUDA library registers
+it for AutogradCUDA) and loaded first, so that "ours" is the C++ autograd that CUDA calls take;
+without it, the Python autograd.Function that CUDA calls took before that library was loaded.
+
+    python packages/apex-normalization/benchmarks/host_overhead.py [--native]
 """
 
 from __future__ import annotations
 
+import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +55,26 @@ def us_per_call(fn, calls: int = 3000, runs: int = 7) -> float:
     return best
 
 
+def load_native_autograd(build: str) -> None:
+    from torch.utils import cpp_extension
+
+    source = Path(__file__).resolve().parents[1] / "src" / "apex" / "normalization" / "csrc" / "norm_autograd.cpp"
+    cpp_extension.load(
+        name="apex_norm_autograd_cpu",
+        sources=[str(source)],
+        extra_cflags=["-O2", "-DAPEX_NORM_AUTOGRAD_KEY=AutogradCPU"],
+        build_directory=build,
+        is_python_module=False,
+    )
+    torch.ops.load_library(str(Path(build) / "apex_norm_autograd_cpu.so"))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--native", action="store_true", help="time the C++ autograd (compiled for the CPU here)")
+    args = parser.parse_args()
+    if args.native:
+        load_native_autograd(tempfile.mkdtemp(prefix="apex-norm-autograd-"))
     library = torch.library.Library("apex_normalization", "IMPL")
     library.impl("norm_forward", _forward, "CPU")
     library.impl("norm_backward", _backward, "CPU")
@@ -71,7 +97,8 @@ def main() -> None:
             lambda: torch.autograd.grad(fused_rms_norm_affine(x, w, 8, 1e-5), (x, w), dy),
         ),
     }
-    print(f"torch {torch.__version__}; host us per call (trivial kernels)")
+    autograd = "C++ (AutogradCPU build of norm_autograd.cpp)" if args.native else "Python autograd.Function"
+    print(f"torch {torch.__version__}; host us per call (trivial kernels); ours with {autograd}")
     print("| call | torch us | ours us |\n|---|---|---|")
     for name, (theirs, ours) in cases.items():
         print(f"| {name} | {us_per_call(theirs):.1f} | {us_per_call(ours):.1f} |")

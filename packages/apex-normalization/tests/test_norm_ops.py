@@ -402,3 +402,18 @@ def test_more_than_2_pow_31_elements(hidden):
 def test_ops_module_defines_three_ops():
     for name in ("norm_forward", "add_norm_forward", "norm_backward"):
         assert getattr(_ops, name).name() == f"apex_normalization::{name}"
+
+
+@pytest.mark.gpu
+def test_cuda_autograd_is_the_compiled_one():
+    """On CUDA the functions' autograd is the compiled library's AutogradCUDA kernel
+    (csrc/norm_autograd.cpp), not the Python autograd.Function."""
+    x = torch.randn(3, 64, device="cuda", requires_grad=True)
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    AF.fused_layer_norm_affine(x, w, None, 64)  # the first call loads the library
+    names = [
+        AF.fused_layer_norm_affine(x, w, None, 64).grad_fn.name(),
+        AF.fused_add_rms_norm_affine(x, torch.randn_like(x), w, 64)[0].grad_fn.name(),
+    ]
+    assert "CppNode" in names[0] and "NormForward" in names[0], names
+    assert "CppNode" in names[1] and "AddNormForward" in names[1], names

@@ -114,8 +114,10 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> Callab
     45 us of a 60 us forward call on the CI machine's CPU). The caller runs the same
     ``setup_context`` and ``backward`` in a plain ``torch.autograd.Function`` when a gradient is
     wanted and calls the op below autograd when not; while compiling and under ``torch.func``
-    transforms it calls the op. Pass it every argument of the schema, positionally, as
-    ``setup_context`` receives them as the op's inputs.
+    transforms it calls the op. Where a compiled library registers the op's autograd in C++ for
+    the input's device (an ``AutogradCUDA`` kernel, which the dispatcher prefers to this Python
+    registration there), the caller calls the op: that costs the least host time. Pass it every
+    argument of the schema, positionally, as ``setup_context`` receives them as the op's inputs.
     """
     torch.library.register_autograd(op, backward, setup_context=setup_context)
 
@@ -134,11 +136,30 @@ def register_autograd(op, backward: Callable, setup_context: Callable) -> Callab
         {"forward": staticmethod(forward), "backward": staticmethod(function_backward)},
     )
 
+    native = set()  # device types whose autograd kernel for the op is compiled code
+
     def call(*args):
         if torch.compiler.is_compiling() or _functorch_active():
             return op(*args)
         if torch.is_grad_enabled() and _requires_grad(args):
+            device = args[0].device.type
+            if device in native or _has_native_autograd(op, device, native):
+                return op(*args)
             return Function.apply(*args)
         return _call_below_autograd(op, args)
 
     return call
+
+
+_AUTOGRAD_KEYS = {"cuda": "AutogradCUDA", "cpu": "AutogradCPU"}
+
+
+def _has_native_autograd(op, device: str, native: set) -> bool:
+    """Whether ``op`` has a kernel registered for the autograd key of ``device`` itself (not the
+    Autograd alias that torch.library.register_autograd fills); remembered once true. Checked on
+    every call until then, as a compiled library may be loaded after the first call."""
+    key = _AUTOGRAD_KEYS.get(device)
+    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(op._schema.name, key):
+        return False
+    native.add(device)
+    return True
