@@ -1,15 +1,23 @@
 """Host time per eager call of apex.normalization's Python API against F.layer_norm / F.rms_norm.
 
-A CPU diagnostic (no GPU needed): the ops' CPU kernels are replaced by trivial ones that only
-allocate the outputs, so what is timed is the dispatcher, autograd and Python wrapping around a
-kernel, which on a GPU is paid on the host for every call (and is the whole cost of a small
-problem). Tiny tensors (2 x 8); best of 7 runs of 3000 calls.
+Small problems are decided by the host: dispatcher, autograd and Python wrapping around each
+kernel. Two modes:
 
-With --native, csrc/norm_autograd.cpp is compiled for AutogradCPU (as the CUDA library registers
-it for AutogradCUDA) and loaded first, so that "ours" is the C++ autograd that CUDA calls take;
-without it, the Python autograd.Function that CUDA calls took before that library was loaded.
+- ``--device cpu`` (default; no GPU needed): the ops' CPU kernels are replaced by trivial ones
+  that only allocate the outputs, on tiny tensors (2 x 8). With ``--native``,
+  csrc/norm_autograd.cpp is compiled for AutogradCPU (as the CUDA library registers it for
+  AutogradCUDA) and loaded first, so that "ours" goes through the C++ autograd; without it,
+  through the Python autograd.Function. The trivial kernels are Python functions called through
+  the dispatcher, which costs more than the C++ kernels on CUDA: compare the two modes of "ours"
+  with each other, not with PyTorch.
+- ``--device cuda``: the real kernels on 1024 x 1024 bf16 (a few microseconds of device time
+  each); calls back to back, one synchronize per run. ``--python-autograd`` forces the Python
+  autograd.Function instead of the compiled AutogradCUDA kernels.
+
+Best of 7 runs of 3000 calls.
 
     python packages/apex-normalization/benchmarks/host_overhead.py [--native]
+    python packages/apex-normalization/benchmarks/host_overhead.py --device cuda [--python-autograd]
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import apex.normalization._ops  # noqa: F401  (defines the op schemas)
+import apex.core.library
+import apex.normalization._ops  # (defines the op schemas)
 from apex.normalization.functional import fused_layer_norm_affine, fused_rms_norm_affine
 
 
@@ -43,14 +52,21 @@ def _backward(grad_output, saved, weight, bias, mean, rstd, shape, rms, memory_e
     )
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def us_per_call(fn, calls: int = 3000, runs: int = 7) -> float:
     for _ in range(300):
         fn()
     best = float("inf")
     for _ in range(runs):
+        synchronize()
         start = time.perf_counter()
         for _ in range(calls):
             fn()
+        synchronize()
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
 
@@ -71,34 +87,47 @@ def load_native_autograd(build: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--native", action="store_true", help="time the C++ autograd (compiled for the CPU here)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--native", action="store_true", help="cpu: time the C++ autograd (compiled here)")
+    parser.add_argument("--python-autograd", action="store_true", help="cuda: time the Python autograd.Function")
     args = parser.parse_args()
-    if args.native:
-        load_native_autograd(tempfile.mkdtemp(prefix="apex-norm-autograd-"))
-    library = torch.library.Library("apex_normalization", "IMPL")
-    library.impl("norm_forward", _forward, "CPU")
-    library.impl("norm_backward", _backward, "CPU")
-    x = torch.randn(2, 8, requires_grad=True)
-    w = torch.ones(8, requires_grad=True)
-    b = torch.zeros(8, requires_grad=True)
-    dy = torch.ones(2, 8)
+    if args.device == "cpu":
+        if args.native:
+            load_native_autograd(tempfile.mkdtemp(prefix="apex-norm-autograd-"))
+        library = torch.library.Library("apex_normalization", "IMPL")
+        library.impl("norm_forward", _forward, "CPU")
+        library.impl("norm_backward", _backward, "CPU")
+        rows, hidden, dtype = 2, 8, torch.float32
+        autograd = "C++ (AutogradCPU build of norm_autograd.cpp)" if args.native else "Python autograd.Function"
+    else:
+        if args.python_autograd:
+            apex.core.library._has_native_autograd = lambda *_: False
+        rows, hidden, dtype = 1024, 1024, torch.bfloat16
+        autograd = "Python autograd.Function" if args.python_autograd else "C++ (AutogradCUDA)"
+    x = torch.randn(rows, hidden, device=args.device, dtype=dtype, requires_grad=True)
+    w = torch.ones(hidden, device=args.device, dtype=dtype, requires_grad=True)
+    b = torch.zeros(hidden, device=args.device, dtype=dtype, requires_grad=True)
+    dy = torch.ones_like(x)
     cases = {
         "layer norm forward": (
-            lambda: F.layer_norm(x, (8,), w, b, 1e-5),
-            lambda: fused_layer_norm_affine(x, w, b, 8, 1e-5),
+            lambda: F.layer_norm(x, (hidden,), w, b, 1e-5),
+            lambda: fused_layer_norm_affine(x, w, b, hidden, 1e-5),
         ),
         "layer norm forward+backward": (
-            lambda: torch.autograd.grad(F.layer_norm(x, (8,), w, b, 1e-5), (x, w, b), dy),
-            lambda: torch.autograd.grad(fused_layer_norm_affine(x, w, b, 8, 1e-5), (x, w, b), dy),
+            lambda: torch.autograd.grad(F.layer_norm(x, (hidden,), w, b, 1e-5), (x, w, b), dy),
+            lambda: torch.autograd.grad(fused_layer_norm_affine(x, w, b, hidden, 1e-5), (x, w, b), dy),
         ),
-        "rms norm forward": (lambda: F.rms_norm(x, (8,), w, 1e-5), lambda: fused_rms_norm_affine(x, w, 8, 1e-5)),
+        "rms norm forward": (
+            lambda: F.rms_norm(x, (hidden,), w, 1e-5),
+            lambda: fused_rms_norm_affine(x, w, hidden, 1e-5),
+        ),
         "rms norm forward+backward": (
-            lambda: torch.autograd.grad(F.rms_norm(x, (8,), w, 1e-5), (x, w), dy),
-            lambda: torch.autograd.grad(fused_rms_norm_affine(x, w, 8, 1e-5), (x, w), dy),
+            lambda: torch.autograd.grad(F.rms_norm(x, (hidden,), w, 1e-5), (x, w), dy),
+            lambda: torch.autograd.grad(fused_rms_norm_affine(x, w, hidden, 1e-5), (x, w), dy),
         ),
     }
-    autograd = "C++ (AutogradCPU build of norm_autograd.cpp)" if args.native else "Python autograd.Function"
-    print(f"torch {torch.__version__}; host us per call (trivial kernels); ours with {autograd}")
+    kernels = "trivial kernels" if args.device == "cpu" else "CUDA kernels, 1024x1024 bf16"
+    print(f"torch {torch.__version__}; {args.device}; host us per call ({kernels}); ours with {autograd}")
     print("| call | torch us | ours us |\n|---|---|---|")
     for name, (theirs, ours) in cases.items():
         print(f"| {name} | {us_per_call(theirs):.1f} | {us_per_call(ours):.1f} |")
