@@ -6,6 +6,7 @@
 #   APEX_NORM_PREFETCH  forward: cp.async of the next tile (0 off, 1 auto, 2 always)
 #   APEX_NORM_FWD_SMALL forward: the small-row kernel for one-wave problems (1 default, 0 off)
 #   APEX_NORM_BWD_PREFETCH backward: cp.async of the next tile (0 off, 1 default: on when it fits)
+#   APEX_NORM_BWD_VECS     backward: vectors per thread for every row (2 or 4; default by row length)
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail

@@ -28,6 +28,14 @@ namespace apex_normalization {
 namespace {
 
 constexpr int kBackwardVecs = 2;
+// Rows of at least kLongRowVectors vectors (8192 16-bit elements) take kLongRowVecs vectors per
+// thread in blocks of at most 512 threads, with the next tile's copies issued before the row
+// reduction rather than after. Fwd+bwd bf16 on the H200 against 2 vectors per thread (same
+// call): layer norm 8192x8192 0.2228 -> 0.2148-0.2167 ms, 4096x16384 0.2348 -> 0.2240-0.2259;
+// RMS norm ties. Either change alone gained nothing; at hidden 4096 and less the pair loses
+// (fewer warps per row, more partial rows).
+constexpr int kLongRowVecs = 4;
+constexpr int64_t kLongRowVectors = 1024;
 // Threads per block: several row groups per block keep the number of partial rows low (256 and
 // 1024 measured no faster on the H200).
 constexpr int kBackwardBlock = 512;
@@ -58,7 +66,7 @@ __device__ __forceinline__ void zero_columns(float* __restrict__ acc_w, float* _
 #pragma unroll
   for (int q = 0; q < kV / 4; ++q) {
     reinterpret_cast<float4*>(acc_w)[q * vectors + v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    reinterpret_cast<float4*>(acc_b)[q * vectors + v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (acc_b != nullptr) reinterpret_cast<float4*>(acc_b)[q * vectors + v] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   }
 }
 
@@ -69,18 +77,19 @@ __device__ __forceinline__ void accumulate_columns(float* __restrict__ acc_w, fl
 #pragma unroll
   for (int q = 0; q < kV / 4; ++q) {
     float4* pw = reinterpret_cast<float4*>(acc_w) + q * vectors + v;
-    float4* pb = reinterpret_cast<float4*>(acc_b) + q * vectors + v;
     float4 w = *pw;
-    float4 b = *pb;
     w.x += dxhat[4 * q];
     w.y += dxhat[4 * q + 1];
     w.z += dxhat[4 * q + 2];
     w.w += dxhat[4 * q + 3];
+    *pw = w;
+    if (acc_b == nullptr) continue;
+    float4* pb = reinterpret_cast<float4*>(acc_b) + q * vectors + v;
+    float4 b = *pb;
     b.x += dy[4 * q];
     b.y += dy[4 * q + 1];
     b.z += dy[4 * q + 2];
     b.w += dy[4 * q + 3];
-    *pw = w;
     *pb = b;
   }
 }
@@ -96,11 +105,12 @@ __device__ __forceinline__ void write_partial_row(const float* all, int groups, 
   float* out_b = partial_bias != nullptr ? partial_bias + blockIdx.x * hidden : nullptr;
   for (int64_t col = threadIdx.x; col < hidden; col += blockDim.x) {
     const int at = plane_index<kV>(static_cast<int>(col), vectors);
+    const int64_t stride = (out_b != nullptr ? 2 : 1) * hidden;  // between groups' regions
     float w = 0.0f;
     float b = 0.0f;
     for (int group = 0; group < groups; ++group) {
-      w += all[2 * group * hidden + at];
-      b += all[(2 * group + 1) * hidden + at];
+      w += all[group * stride + at];
+      if (out_b != nullptr) b += all[group * stride + hidden + at];
     }
     out_w[col] = w;
     if (out_b != nullptr) out_b[col] = b;
@@ -135,10 +145,22 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
     to_floats(xhat, xs[k]);
     to_floats(dy, dys[k]);
     if (weight != nullptr) load_floats(w, weight + col);
-    xhat_and_wdy(xhat, wdy, dy, weight != nullptr, w, bias, memory_efficient, col, mean, rstd);
     float dx[kV];
+    if (memory_efficient) {
+      xhat_and_wdy(xhat, wdy, dy, weight != nullptr, w, bias, memory_efficient, col, mean, rstd);
 #pragma unroll
-    for (int j = 0; j < kV; ++j) dx[j] = rstd * (wdy[j] - (xhat[j] * projection + centering));
+      for (int j = 0; j < kV; ++j) dx[j] = rstd * (wdy[j] - (xhat[j] * projection + centering));
+    } else {
+      // rstd * (wdy - xhat * projection - centering) with xhat = (x - mean) * rstd, as
+      // rstd * wdy - ((x - mean) * slope + offset): four operations per element, not six.
+      const float slope = rstd * rstd * projection;
+      const float offset = rstd * centering;
+#pragma unroll
+      for (int j = 0; j < kV; ++j) {
+        const float w_dy = weight != nullptr ? dy[j] * w[j] : dy[j];
+        dx[j] = fmaf(rstd, w_dy, -fmaf(xhat[j] - mean, slope, offset));
+      }
+    }
     if (grad_residual != nullptr) {
       float extra[kV];
       load_floats(extra, grad_residual + col);
@@ -203,11 +225,12 @@ __device__ __forceinline__ void prefetch_rows(const BackwardParams<T, W, O, S>& 
 // 128 with it).
 template <typename T, typename W, typename O, bool kEfficient, bool kPrefetch, int kVecs,
           typename S = std::conditional_t<kEfficient, O, T>>
-__global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const BackwardParams<T, W, O, S> p) {
+__global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1) backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column sums are accessed as float4");
   constexpr int kPiecesS = sizeof(Vec<S, kV>) / 16;
   constexpr int kPiecesO = sizeof(Vec<O, kV>) / 16;
+  constexpr bool kEarly = kVecs == kLongRowVecs;  // see kLongRowVecs
   __shared__ float scratch[2 * 2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of two sums per warp
   int turn = 0;
   extern __shared__ float4 accumulators[];
@@ -216,8 +239,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const Ba
   const int64_t tiles = ceil_div(p.rows, g.count);
   const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
   const bool accumulate = p.partial_weight != nullptr;
-  float* acc_w = reinterpret_cast<float*>(accumulators) + 2 * g.index * p.hidden;
-  float* acc_b = acc_w + p.hidden;
+  const int sums_per_column = p.partial_bias != nullptr ? 2 : 1;  // dy * xhat, and dy for a bias
+  float* acc_w = reinterpret_cast<float*>(accumulators) + sums_per_column * g.index * p.hidden;
+  float* acc_b = p.partial_bias != nullptr ? acc_w + p.hidden : nullptr;  // RMS norm: no dy sums
   if (accumulate) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
@@ -225,7 +249,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const Ba
       if (v < vectors) zero_columns<kV>(acc_w, acc_b, v, vectors);
     }
   }
-  uint4* staged = reinterpret_cast<uint4*>(accumulators) + (accumulate ? g.count * p.hidden / 2 : 0);
+  uint4* staged = reinterpret_cast<uint4*>(accumulators) + (accumulate ? sums_per_column * g.count * p.hidden / 4 : 0);
   uint4* staged_saved = staged + static_cast<int64_t>(g.index) * vectors * kPiecesS;
   uint4* staged_dy = staged + static_cast<int64_t>(g.count) * vectors * kPiecesS +
                      static_cast<int64_t>(g.index) * vectors * kPiecesO;
@@ -285,8 +309,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const Ba
       }
       if (accumulate) accumulate_columns<kV>(acc_w, acc_b, v, vectors, dxhat, dy);
     }
+    if constexpr (kPrefetch && kEarly) {
+      prefetch_rows<kVecs, kV>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+    }
     group_sum(sums, g, scratch, turn);
-    if constexpr (kPrefetch) {
+    if constexpr (kPrefetch && !kEarly) {
       prefetch_rows<kVecs, kV>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
     }
     const float projection = sums[0] * inv_hidden;
@@ -301,31 +328,65 @@ __global__ void __launch_bounds__(kMaxThreads, 1) backward_in_registers(const Ba
   }
 }
 
-// grad[col] = sum over parts of partial[part, col], in a fixed order. blockDim (32, 32);
-// blockIdx.y 0: weight, 1: bias.
-template <typename W>
-__global__ void __launch_bounds__(kMaxThreads)
+// grad[col] = sum over parts of partial[part, col], in a fixed order. Blocks of kSumRows x 32
+// threads, each thread kColumns adjacent columns (one 16-byte load for 4); blockIdx.y 0: weight,
+// 1: bias. A thread adds every kSumRows-th part into kChains separate sums, so that its loads are
+// in flight together (with one chain and one column per thread: 11.4 us for the 132 x 16384
+// partials of 4096x16384 bf16 on the H200).
+constexpr int kSumRows = 8;
+template <typename W, int kColumns>
+__global__ void __launch_bounds__(kSumRows* kWarp)
     sum_partials_kernel(const float* partial_weight, const float* partial_bias, int64_t parts, int64_t hidden,
                         W* grad_weight, W* grad_bias) {
-  __shared__ float tile[kWarp][kWarp + 1];
+  constexpr int kChains = 4;
+  constexpr int kBlockColumns = kWarp * kColumns;
+  __shared__ float tile[kSumRows][kBlockColumns + 1];
   const float* partial = blockIdx.y == 0 ? partial_weight : partial_bias;
   W* grad = blockIdx.y == 0 ? grad_weight : grad_bias;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kWarp + threadIdx.x;
-  float acc = 0.0f;
-  if (col < hidden) {
-    for (int64_t part = threadIdx.y; part < parts; part += kWarp) acc += partial[part * hidden + col];
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kBlockColumns;
+  const int64_t col = first + threadIdx.x * kColumns;
+  float chains[kChains][kColumns] = {};
+  if (col < hidden) {  // hidden is a multiple of kColumns
+    auto add = [&](float(&sum)[kColumns], int64_t part) {
+      float v[kColumns];
+      load_floats(v, partial + part * hidden + col);
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) sum[j] += v[j];
+    };
+    int64_t part = threadIdx.y;
+    for (; part + (kChains - 1) * kSumRows < parts; part += kChains * kSumRows) {
+#pragma unroll
+      for (int c = 0; c < kChains; ++c) add(chains[c], part + c * kSumRows);
+    }
+    for (; part < parts; part += kSumRows) add(chains[0], part);
   }
-  tile[threadIdx.y][threadIdx.x] = acc;
+#pragma unroll
+  for (int j = 0; j < kColumns; ++j) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChains; ++c) sum += chains[c][j];
+    tile[threadIdx.y][threadIdx.x * kColumns + j] = sum;
+  }
   __syncthreads();
-  for (int stride = kWarp / 2; stride > 0; stride /= 2) {
-    if (static_cast<int>(threadIdx.y) < stride) tile[threadIdx.y][threadIdx.x] += tile[threadIdx.y + stride][threadIdx.x];
-    __syncthreads();
+  const int t = static_cast<int>(threadIdx.y * kWarp + threadIdx.x);
+  if (t < kBlockColumns && first + t < hidden) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kSumRows; ++r) sum += tile[r][t];
+    grad[first + t] = static_cast<W>(sum);
   }
-  if (threadIdx.y == 0 && col < hidden) grad[col] = static_cast<W>(tile[0][threadIdx.x]);
 }
 
-template <typename T, typename W, typename O, bool kEfficient, typename S = std::conditional_t<kEfficient, O, T>>
-bool backward_registers(const BackwardArgs& a) {
+// APEX_NORM_BWD_VECS=2 or 4 makes every row take that many vectors per thread (tests and
+// tuning); unset: kLongRowVecs for rows of at least kLongRowVectors vectors, else kBackwardVecs.
+inline int backward_vecs_switch() {
+  static const int v = env_int("APEX_NORM_BWD_VECS", 0);
+  return v;
+}
+
+template <typename T, typename W, typename O, bool kEfficient, int kVecs,
+          typename S = std::conditional_t<kEfficient, O, T>>
+bool backward_registers_vecs(const BackwardArgs& a) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   auto p = backward_params<T, W, O, S>(a);
   const bool aligned = aligned16(p.grad_output) && aligned16(p.saved) && aligned16(p.weight) && aligned16(p.bias) &&
@@ -333,13 +394,14 @@ bool backward_registers(const BackwardArgs& a) {
   const int64_t vectors = p.hidden / kV;
   if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
 
-  p.group_threads = group_threads_for(vectors, kBackwardVecs);
+  p.group_threads = group_threads_for(vectors, kVecs);
   const int groups = p.group_threads <= kWarp
                          ? kBackwardBlock / p.group_threads
                          : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
   const int block = p.group_threads * groups;
   const bool weight_grads = a.grad_weight != nullptr;
-  const size_t accumulator_bytes = weight_grads ? 2 * static_cast<size_t>(groups) * p.hidden * sizeof(float) : 0;
+  const size_t sums_per_column = a.grad_bias != nullptr ? 2 : 1;
+  const size_t accumulator_bytes = weight_grads ? sums_per_column * groups * p.hidden * sizeof(float) : 0;
   const size_t staged_bytes = static_cast<size_t>(groups) * vectors * (sizeof(Vec<S, kV>) + sizeof(Vec<O, kV>));
   // 128 KiB of accumulators for the longest rows (plus the static reduction scratch): more than
   // some GPUs give a block; those take the streaming path. The copies of the next tile's rows
@@ -347,8 +409,8 @@ bool backward_registers(const BackwardArgs& a) {
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
   const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
   if (accumulator_bytes + static_smem > limit) return false;
-  const auto plain = backward_in_registers<T, W, O, kEfficient, false, kBackwardVecs>;
-  const auto prefetching = backward_in_registers<T, W, O, kEfficient, true, kBackwardVecs>;
+  const auto plain = backward_in_registers<T, W, O, kEfficient, false, kVecs>;
+  const auto prefetching = backward_in_registers<T, W, O, kEfficient, true, kVecs>;
   const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
   // The driver's carveout, not the largest: blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
   // fwd+bwd with it and 0.261 ms with the largest, which leaves L1 only 28 KiB.
@@ -383,6 +445,15 @@ bool backward_registers(const BackwardArgs& a) {
     sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);
   }
   return true;
+}
+
+template <typename T, typename W, typename O, bool kEfficient>
+bool backward_registers(const BackwardArgs& a) {
+  constexpr int kV = apex::vector_width<T, W, O, std::conditional_t<kEfficient, O, T>>();
+  const int forced = backward_vecs_switch();
+  const bool long_rows = forced == 0 ? a.hidden / kV >= kLongRowVectors : forced == kLongRowVecs;
+  if (long_rows) return backward_registers_vecs<T, W, O, kEfficient, kLongRowVecs>(a);
+  return backward_registers_vecs<T, W, O, kEfficient, kBackwardVecs>(a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
@@ -486,11 +557,14 @@ void sum_partials(const at::Tensor& partial_weight, const at::Tensor* partial_bi
                   at::Tensor* grad_bias) {
   const int64_t parts = partial_weight.size(0);
   const int64_t hidden = partial_weight.size(1);
-  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, kWarp)), partial_bias != nullptr ? 2 : 1);
-  const dim3 block(kWarp, kWarp);
+  const bool wide = hidden % 4 == 0 && aligned16(partial_weight.const_data_ptr()) &&
+                    (partial_bias == nullptr || aligned16(partial_bias->const_data_ptr()));
+  const dim3 grid(static_cast<unsigned>(ceil_div(hidden, wide ? 4 * kWarp : kWarp)), partial_bias != nullptr ? 2 : 1);
+  const dim3 block(kWarp, kSumRows);
   apex::dispatch_float_types(grad_weight.scalar_type(), "norm_backward", "weight", [&](auto tag) {
     using W = typename decltype(tag)::type;
-    sum_partials_kernel<W><<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
+    const auto kernel = wide ? sum_partials_kernel<W, 4> : sum_partials_kernel<W, 1>;
+    kernel<<<grid, block, 0, at::cuda::getCurrentCUDAStream()>>>(
         partial_weight.const_data_ptr<float>(), partial_bias != nullptr ? partial_bias->const_data_ptr<float>() : nullptr,
         parts, hidden, static_cast<W*>(grad_weight.data_ptr()),
         grad_bias != nullptr ? static_cast<W*>(grad_bias->data_ptr()) : nullptr);

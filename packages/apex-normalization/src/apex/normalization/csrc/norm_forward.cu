@@ -47,6 +47,8 @@ struct ForwardParams {
   float eps;
   bool rms;
   int group_threads;
+  int64_t tiles;     // forward_in_registers: ceil(rows / groups per block), computed on the host
+  float inv_hidden;  // 1 / hidden
 };
 
 // y = (x - mean) * rstd * weight + bias for the vectors of a row that a thread holds. The
@@ -71,10 +73,16 @@ __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restri
       float y[kV];
       to_floats(y, x[k]);
 #pragma unroll
-      for (int j = 0; j < kV; ++j) {
-        y[j] = (y[j] - mean) * rstd;
-        if (weight != nullptr) y[j] *= static_cast<float>(w[k].val[j]);
-        if (bias != nullptr) y[j] += static_cast<float>(b[k].val[j]);
+      for (int j = 0; j < kV; ++j) y[j] = (y[j] - mean) * rstd;
+      float wf[kV], bf[kV];
+      to_floats(wf, w[k]);
+      to_floats(bf, b[k]);
+      if (weight != nullptr && bias != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) y[j] = fmaf(y[j], wf[j], bf[j]);
+      } else if (weight != nullptr) {
+#pragma unroll
+        for (int j = 0; j < kV; ++j) y[j] *= wf[j];
       }
       store_floats(out + (lane + k * threads) * kV, y);
     }
@@ -88,6 +96,15 @@ __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restri
     to_floats(y, x[k]);
 #pragma unroll
     for (int j = 0; j < kV; ++j) y[j] = (y[j] - mean) * rstd;
+    if (weight != nullptr && bias != nullptr) {  // one fused multiply-add per element
+      float w[kV], b[kV];
+      load_floats(w, weight + col);
+      load_floats(b, bias + col);
+#pragma unroll
+      for (int j = 0; j < kV; ++j) y[j] = fmaf(y[j], w[j], b[j]);
+      store_floats(out + col, y);
+      continue;
+    }
     if (weight != nullptr) {
       float w[kV];
       load_floats(w, weight + col);
@@ -112,9 +129,11 @@ __device__ __forceinline__ float squared_deviations(const Vec<T, kV> (&x)[kVecs]
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     if (!valid[k]) continue;
+    float f[kV];
+    to_floats(f, x[k]);
 #pragma unroll
     for (int j = 0; j < kV; ++j) {
-      const float d = static_cast<float>(x[k].val[j]) - mean;
+      const float d = f[j] - mean;
       sum += d * d;
     }
   }
@@ -138,8 +157,8 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
   extern __shared__ uint4 staged[];
   const BlockRowGroup g(p.group_threads);  // a multi-warp group is the whole block
   const int vectors = static_cast<int>(p.hidden / kV);
-  const int64_t tiles = ceil_div(p.rows, g.count);
-  const float inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  const int64_t tiles = p.tiles;
+  const float inv_hidden = p.inv_hidden;
   const int sources = p.residual != nullptr ? 2 : 1;
   // The small-row kernel's blocks take one tile each: its weight and bias are loaded here, with
   // the input still to come, rather than after the row's reductions.
@@ -225,11 +244,10 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
       float squares[1] = {0.0f};
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
+        float f[kV];
+        to_floats(f, x[k]);
 #pragma unroll
-        for (int j = 0; j < kV; ++j) {
-          const float f = static_cast<float>(x[k].val[j]);
-          squares[0] += f * f;
-        }
+        for (int j = 0; j < kV; ++j) squares[0] += f[j] * f[j];
       }
       group_sum(squares, g, sum_scratch, turn);
       rstd = rsqrtf(squares[0] * inv_hidden + p.eps);
@@ -239,8 +257,10 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
       float sums[1] = {0.0f};
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
+        float f[kV];
+        to_floats(f, x[k]);
 #pragma unroll
-        for (int j = 0; j < kV; ++j) sums[0] += static_cast<float>(x[k].val[j]);
+        for (int j = 0; j < kV; ++j) sums[0] += f[j];
       }
       group_sum(sums, g, sum_scratch, turn);
       mean = sums[0] * inv_hidden;
@@ -386,6 +406,8 @@ void launch_forward(ForwardParams<T, W, O> p) {
     const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
     const int groups = block / p.group_threads;
     const int64_t tiles = ceil_div(p.rows, groups);
+    p.tiles = tiles;
+    p.inv_hidden = 1.0f / static_cast<float>(p.hidden);
     const int sms = sm_count();
     // Prefetching pays once blocks walk over several tiles; it needs two buffers per source.
     const size_t smem = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
