@@ -5,8 +5,10 @@
 # OUTDIR/sweep_<n>.md, and the large shapes printed. The switches that exist today:
 #   APEX_NORM_PREFETCH  forward: cp.async of the next tile (0 off, 1 auto, 2 always)
 #   APEX_NORM_FWD_SMALL forward: the small-row kernel for one-wave problems (1 default, 0 off)
+#   APEX_NORM_FWD_HOLD  forward: weight and bias held in registers (0 never, 1 default: with a bias, 2 always)
 #   APEX_NORM_BWD_PREFETCH backward: cp.async of the next tile (0 off, 1 default: on when it fits)
 #   APEX_NORM_BWD_VECS     backward: vectors per thread for every row (2 or 4; default by row length)
+#   APEX_NORM_BWD_FINISH   backward: weight gradients summed by the kernel itself (1 default) or by a second kernel (0)
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail

@@ -334,14 +334,19 @@ def test_every_output_element_is_written(hidden, rms):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("hidden", [1024, 1023], ids=["registers", "streaming"])
-def test_second_gpu(hidden):
-    """Tensors on cuda:1 while cuda:0 is current: results on cuda:1, equal to the CPU reference."""
+@pytest.mark.parametrize(
+    ("rows", "hidden"), [(37, 1024), (37, 1023), (600, 8192)], ids=["registers", "streaming", "long-rows"]
+)
+def test_second_gpu(rows, hidden):
+    """Tensors on cuda:1 while cuda:0 is current: results on cuda:1, equal to the CPU reference.
+
+    long-rows takes the forward that prefetches and holds the weights, and the backward for long
+    rows that sums the weight gradients in a cooperative launch."""
     assert torch.cuda.current_device() == 0
-    x_cpu = torch.randn(37, hidden)
+    x_cpu = torch.randn(rows, hidden)
     w_cpu = torch.rand(hidden) + 0.5
     b_cpu = torch.randn(hidden)
-    dy_cpu = torch.randn(37, hidden)
+    dy_cpu = torch.randn(rows, hidden)
     results = {}
     for device in ("cpu", "cuda:1"):
         x, w, b = (leaf(t.to(device)) for t in (x_cpu, w_cpu, b_cpu))
@@ -355,7 +360,9 @@ def test_second_gpu(hidden):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [384, 4096, 1023], ids=["warp-groups", "block-groups", "streaming"])
+@pytest.mark.parametrize(
+    "hidden", [384, 4096, 8192, 1023], ids=["warp-groups", "block-groups", "long-rows", "streaming"]
+)
 def test_weight_gradients_are_deterministic(hidden):
     x = leaf(torch.randn(8192, hidden, device="cuda", dtype=torch.bfloat16))
     w = leaf(torch.rand(hidden, device="cuda") + 0.5)

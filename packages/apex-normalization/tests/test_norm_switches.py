@@ -20,9 +20,12 @@ SWITCHES = {
     "prefetch-off": "APEX_NORM_PREFETCH=0",
     "prefetch-always": "APEX_NORM_PREFETCH=2",
     "forward-small-off": "APEX_NORM_FWD_SMALL=0",
+    "forward-hold-never": "APEX_NORM_FWD_HOLD=0",
+    "forward-hold-always": "APEX_NORM_FWD_HOLD=2",
     "backward-prefetch-off": "APEX_NORM_BWD_PREFETCH=0",
     "backward-long-row-kernel": "APEX_NORM_BWD_VECS=4",
     "backward-short-row-kernel": "APEX_NORM_BWD_VECS=2",
+    "backward-second-kernel-sums": "APEX_NORM_BWD_FINISH=0",
 }
 CHILD_TESTS = [
     (HERE / "test_norm_numerics.py", "cuda and (test_layer_norm or test_rms_norm or test_many_rows)"),

@@ -9,13 +9,17 @@
 // other thread touches them until the end, so no barrier is needed per row, and they cost no
 // registers (two per element held would not fit next to the row at 1024 threads per block).
 // The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
-// at the end a block adds its groups' accumulators in group order into its partial row. Where
+// at the end a block adds its groups' accumulators in group order into its partial row. Launched
+// cooperatively (the default where the device allows), the grid then waits for every block's row
+// (grid.sync()) and adds the partial rows up itself, from L2; otherwise sum_partials does, a
+// second kernel. Where
 // blocks walk over several tiles and shared memory allows, the next tile's rows are copied in
 // (cp.async) while a tile is reduced and written.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -213,6 +217,65 @@ __device__ __forceinline__ void prefetch_rows(const BackwardParams<T, W, O, S>& 
   copy_async_commit();
 }
 
+// The weight (and bias) gradients from a grid's partial rows, by the grid itself once every
+// block has written its row (cooperative launch, after grid.sync()): a block takes tiles of
+// 128 columns, its threads 4 adjacent columns each and every lanes-th part (lanes = blockDim.x /
+// 32), in kChains sums; the lanes' sums are added in lane order through `scratch`
+// (2 x lanes x 128 floats). The order is fixed by the grid and block size: the same bits every
+// run. The partial rows are read through L2 (ld.global.cg): other multiprocessors wrote them.
+template <typename W>
+__device__ __forceinline__ void finish_column_sums(const float* partial_weight, const float* partial_bias,
+                                                   W* grad_weight, W* grad_bias, int64_t hidden, float* scratch) {
+  constexpr int kChains = 4;
+  constexpr int kColumns = 4;
+  constexpr int kTile = kWarp * kColumns;
+  const int parts = static_cast<int>(gridDim.x);
+  const int lanes = static_cast<int>(blockDim.x) / kWarp;
+  const int lane = static_cast<int>(threadIdx.x) / kWarp;
+  const int c = static_cast<int>(threadIdx.x) % kWarp * kColumns;
+  const int sources = partial_bias != nullptr ? 2 : 1;
+  const int64_t tiles = ceil_div(hidden, kTile);
+  for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const int64_t col = tile * kTile + c;
+    for (int s = 0; s < sources; ++s) {
+      const float* partial = s == 0 ? partial_weight : partial_bias;
+      float4 chains[kChains];
+#pragma unroll
+      for (int k = 0; k < kChains; ++k) chains[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      auto add = [&](float4& sum, int part) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(partial + part * hidden + col));
+        sum.x += v.x;
+        sum.y += v.y;
+        sum.z += v.z;
+        sum.w += v.w;
+      };
+      if (col < hidden) {  // hidden is a multiple of 4
+        int part = lane;
+        for (; part + (kChains - 1) * lanes < parts; part += kChains * lanes) {
+#pragma unroll
+          for (int k = 0; k < kChains; ++k) add(chains[k], part + k * lanes);
+        }
+        for (; part < parts; part += lanes) add(chains[0], part);
+      }
+      float* out = scratch + (s * lanes + lane) * kTile + c;
+      out[0] = (chains[0].x + chains[1].x) + (chains[2].x + chains[3].x);
+      out[1] = (chains[0].y + chains[1].y) + (chains[2].y + chains[3].y);
+      out[2] = (chains[0].z + chains[1].z) + (chains[2].z + chains[3].z);
+      out[3] = (chains[0].w + chains[1].w) + (chains[2].w + chains[3].w);
+    }
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < sources * kTile; i += static_cast<int>(blockDim.x)) {
+      const int s = i / kTile;
+      const int64_t column = tile * kTile + i % kTile;
+      if (column >= hidden) continue;
+      float sum = 0.0f;
+      for (int l = 0; l < lanes; ++l) sum += scratch[(s * lanes + l) * kTile + i % kTile];
+      (s == 0 ? grad_weight : grad_bias)[column] = static_cast<W>(sum);
+    }
+    __syncthreads();
+  }
+}
+
 // kEfficient: memory_efficient, saved is the output (S = O); else the input (S = T). A template
 // parameter: decided at run time it costs some 20 registers.
 // kPrefetch: the next tile's rows of the saved tensor and dy are copied into shared memory (after
@@ -325,6 +388,11 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1) backwa
   if (accumulate) {
     write_partial_row<kV>(reinterpret_cast<const float*>(accumulators), g.count, p.hidden, p.partial_weight,
                           p.partial_bias);
+    if (p.grad_weight != nullptr) {  // launched cooperatively
+      cooperative_groups::this_grid().sync();
+      finish_column_sums(p.partial_weight, p.partial_bias, p.grad_weight, p.grad_bias, p.hidden,
+                         reinterpret_cast<float*>(accumulators));
+    }
   }
 }
 
@@ -375,6 +443,23 @@ __global__ void __launch_bounds__(kSumRows* kWarp)
     for (int r = 0; r < kSumRows; ++r) sum += tile[r][t];
     grad[first + t] = static_cast<W>(sum);
   }
+}
+
+// APEX_NORM_BWD_FINISH=0: the weight gradients always by sum_partials, a second kernel (tests
+// and tuning); unset or 1: by the backward kernel itself, launched cooperatively, where the
+// device supports cooperative launches.
+inline bool finish_in_kernel() {
+  static const bool on = env_int("APEX_NORM_BWD_FINISH", 1) != 0;
+  if (!on) return false;
+  static std::mutex mutex;
+  static std::map<int, bool> supported;
+  const int device = at::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto found = supported.find(device);
+  if (found != supported.end()) return found->second;
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrCooperativeLaunch, device));
+  return supported.emplace(device, value != 0).first->second;
 }
 
 // APEX_NORM_BWD_VECS=2 or 4 makes every row take that many vectors per thread (tests and
@@ -439,7 +524,29 @@ bool backward_registers_vecs(const BackwardArgs& a) {
       p.partial_bias = partial_bias.data_ptr<float>();
     }
   }
-  (prefetch ? prefetching : plain)<<<static_cast<unsigned>(grid), block, smem, at::cuda::getCurrentCUDAStream()>>>(p);
+  const auto kernel = prefetch ? prefetching : plain;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  // finish_column_sums' scratch: two sums of lanes x 128 floats; the accumulators hold it as a
+  // rule (more than 8 floats per thread), else the block asks for that much.
+  const size_t finish_scratch = 2 * static_cast<size_t>(block / kWarp) * 4 * kWarp * sizeof(float);
+  if (weight_grads && smem >= finish_scratch && finish_in_kernel()) {
+    p.grad_weight = static_cast<W*>(a.grad_weight->data_ptr());
+    p.grad_bias = a.grad_bias != nullptr ? static_cast<W*>(a.grad_bias->data_ptr()) : nullptr;
+    void* args[] = {&p};
+    const cudaError_t launched = cudaLaunchCooperativeKernel(
+        reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(grid)), dim3(block), args, smem, stream);
+    if (launched == cudaSuccess) return true;
+    // A grid that cannot be resident at once here (fewer multiprocessors than the occupancy
+    // calculation counted, as under MPS limits): the second-kernel sums, with a warning.
+    TORCH_CHECK(launched == cudaErrorCooperativeLaunchTooLarge || launched == cudaErrorNotSupported,
+                "norm_backward: cooperative launch failed: ", cudaGetErrorString(launched));
+    (void)cudaGetLastError();
+    TORCH_WARN_ONCE("norm_backward: the cooperative launch of ", grid, " blocks was refused (",
+                    cudaGetErrorString(launched), "); weight gradients are summed by a second kernel");
+    p.grad_weight = nullptr;
+    p.grad_bias = nullptr;
+  }
+  kernel<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (weight_grads) {
     sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);

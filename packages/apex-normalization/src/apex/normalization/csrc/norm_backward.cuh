@@ -46,6 +46,8 @@ struct BackwardParams {
   T* grad_input;
   float* partial_weight;  // [parts, hidden], null without weight gradients
   float* partial_bias;    // [parts, hidden], null without a bias gradient
+  W* grad_weight;         // backward_in_registers launched cooperatively: sums the partials itself
+  W* grad_bias;           // into these (null otherwise: sum_partials does)
   int64_t rows;
   int64_t hidden;
   bool rms;

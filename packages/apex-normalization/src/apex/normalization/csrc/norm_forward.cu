@@ -31,6 +31,19 @@ namespace {
 constexpr int kForwardVecs = 4;
 // Threads per block when a row needs at most a warp (several rows per block).
 constexpr int kSmallRowBlock = 256;
+// Most threads per block of the kernel that holds the weights in registers.
+constexpr int kHoldBlock = 512;
+
+// Whether the prefetching forward holds the weight and bias in registers (blocks of at most
+// kHoldBlock threads). By default where there are both: a row then re-reads twice its own bytes
+// of parameters from L2, and holding them takes layer norm bf16 forward on the H200 from
+// 0.0845-0.0857 to 0.0756-0.0777 ms at 16384x4096, 8192x8192 and 4096x16384 (the same call);
+// with a weight alone (RMS norm) the halved occupancy costs as much as it saves (0.0776-0.0794
+// against 0.0780-0.0816). APEX_NORM_FWD_HOLD=0 never holds, 2 always does (tests and tuning).
+inline bool hold_weights(bool has_bias) {
+  static const int mode = env_int("APEX_NORM_FWD_HOLD", 1);
+  return mode == 2 || (mode == 1 && has_bias);
+}
 
 template <typename T, typename W, typename O>
 struct ForwardParams {
@@ -147,8 +160,11 @@ __device__ __forceinline__ float squared_deviations(const Vec<T, kV> (&x)[kVecs]
 // kSmallRowBlock threads), compiled for that block size so that it has the registers to load the
 // weight and bias before its stores (write_row). The 1024-thread kernel issues each vector's
 // weight load after the previous store: at 1024x1024 bf16, RMS 0.0041 -> 0.0035 ms.
-template <typename T, typename W, typename O, int kVecs, bool kPrefetch, bool kSmallRows = false>
-__global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
+// kHold: the weight and bias vectors of a thread's columns are loaded once, at the start, and held
+// in registers for every row (blocks of at most kHoldBlock threads, for the registers; see
+// hold_weights).
+template <typename T, typename W, typename O, int kVecs, bool kPrefetch, bool kSmallRows = false, bool kHold = false>
+__global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : (kHold ? kHoldBlock : kMaxThreads))
     forward_in_registers(const ForwardParams<T, W, O> p) {
   constexpr int kV = apex::vector_width<T, W, O>();
   static_assert(sizeof(Vec<T, kV>) == 16, "T is the narrowest type: one 16-byte vector");
@@ -162,9 +178,10 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
   const int sources = p.residual != nullptr ? 2 : 1;
   // The small-row kernel's blocks take one tile each: its weight and bias are loaded here, with
   // the input still to come, rather than after the row's reductions.
-  Vec<W, kV> weights[kSmallRows ? kVecs : 1];
-  Vec<W, kV> biases[kSmallRows ? kVecs : 1];
-  if constexpr (kSmallRows) {
+  constexpr bool kLoaded = kSmallRows || kHold;
+  Vec<W, kV> weights[kLoaded ? kVecs : 1];
+  Vec<W, kV> biases[kLoaded ? kVecs : 1];
+  if constexpr (kLoaded) {
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
@@ -273,7 +290,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : kMaxThreads)
       p.rstd[row] = rstd;
     }
 
-    write_row<kVecs, kV, kSmallRows>(p.output + offset, p.weight, p.bias, x, valid, g.lane, g.threads, mean, rstd,
+    write_row<kVecs, kV, kLoaded>(p.output + offset, p.weight, p.bias, x, valid, g.lane, g.threads, mean, rstd,
                                      weights, biases);
   }
 }
@@ -422,7 +439,13 @@ void launch_forward(ForwardParams<T, W, O> p) {
       prefetch = prefetch_mode() == 2 || tiles > resident;
     }
     const auto small = forward_in_registers<T, W, O, kForwardVecs, false, true>;
-    if (prefetch) {
+    const auto holding = forward_in_registers<T, W, O, kForwardVecs, true, false, true>;
+    if (prefetch && block <= kHoldBlock && p.weight != nullptr && hold_weights(p.bias != nullptr)) {
+      allow_dynamic_smem(reinterpret_cast<const void*>(holding), smem, /*max_shared_carveout=*/true);
+      const int64_t grid = std::min<int64_t>(
+          tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(holding), block, smem));
+      holding<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
+    } else if (prefetch) {
       const int64_t grid = std::min<int64_t>(tiles, resident);
       prefetching<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
     } else if (small_rows() && block == kSmallRowBlock && p.group_threads <= kWarp &&
