@@ -12,9 +12,8 @@
 // at the end a block adds its groups' accumulators in group order into its partial row. Launched
 // cooperatively (the default where the device allows), the grid then waits for every block's row
 // (grid.sync()) and adds the partial rows up itself, from L2; otherwise sum_partials does, a
-// second kernel. Where
-// blocks walk over several tiles and shared memory allows, the next tile's rows are copied in
-// (cp.async) while a tile is reduced and written.
+// second kernel. Where blocks walk over several tiles and shared memory allows, the next tile's
+// rows are copied in (cp.async) while a tile is reduced and written.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
@@ -288,7 +287,8 @@ __device__ __forceinline__ void finish_column_sums(const float* partial_weight, 
 // 128 with it).
 template <typename T, typename W, typename O, bool kEfficient, bool kPrefetch, int kVecs,
           typename S = std::conditional_t<kEfficient, O, T>>
-__global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1) backward_in_registers(const BackwardParams<T, W, O, S> p) {
+__global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
+    backward_in_registers(const BackwardParams<T, W, O, S> p) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
   static_assert(kV % 4 == 0, "column sums are accessed as float4");
   constexpr int kPiecesS = sizeof(Vec<S, kV>) / 16;
@@ -403,7 +403,7 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1) backwa
 // partials of 4096x16384 bf16 on the H200).
 constexpr int kSumRows = 8;
 template <typename W, int kColumns>
-__global__ void __launch_bounds__(kSumRows* kWarp)
+__global__ void __launch_bounds__(kSumRows * kWarp)
     sum_partials_kernel(const float* partial_weight, const float* partial_bias, int64_t parts, int64_t hidden,
                         W* grad_weight, W* grad_bias) {
   constexpr int kChains = 4;

@@ -72,7 +72,8 @@ struct ForwardParams {
 // sits in its own `valid[k]` branch after the previous vector's store, and the compiler does not
 // hoist loads out of branches: the SASS shows one dependent weight load per vector, four L2
 // round trips per row, which is what a latency-bound small problem pays. Holding them needs
-// registers that only the small-row kernel has.
+// registers that only the small-row kernel and the holding kernel (kHold, at most kHoldBlock
+// threads per block) have; the holding kernel loads them once for all its rows.
 template <int kVecs, int kV, bool kLoaded, typename T, typename W, typename O>
 __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restrict__ weight,
                                           const W* __restrict__ bias, const Vec<T, kV> (&x)[kVecs],
