@@ -38,8 +38,12 @@ wait "$new_pid" && wait "$old_pid"
 echo "ab_norms: built in $((SECONDS - start)) s"
 for rep in $(seq "$REPS"); do
   for side in old new; do
-    PYTHONPATH="$OUT/$side${PYTHONPATH:+:$PYTHONPATH}" $PY "$HERE/bench_norms.py" --quick --samples 10 \
-      --out "$OUT/$side-$rep" >"$OUT/$side-$rep.log" 2>&1
+    if ! PYTHONPATH="$OUT/$side${PYTHONPATH:+:$PYTHONPATH}" $PY "$HERE/bench_norms.py" --quick --samples 10 \
+      --out "$OUT/$side-$rep" >"$OUT/$side-$rep.log" 2>&1; then
+      echo "ab_norms: bench_norms.py failed for the $side build, round $rep (its log: $OUT/$side-$rep.log)" >&2
+      tail -20 "$OUT/$side-$rep.log" >&2
+      exit 1
+    fi
   done
 done
 echo "ab_norms: benchmarks done in $((SECONDS - start)) s"
