@@ -26,6 +26,7 @@ SWITCHES = {
     "backward-long-row-kernel": "APEX_NORM_BWD_VECS=4",
     "backward-short-row-kernel": "APEX_NORM_BWD_VECS=2",
     "backward-second-kernel-sums": "APEX_NORM_BWD_FINISH=0",
+    "backward-whole-rows-off": "APEX_NORM_BWD_WHOLE=0",
 }
 CHILD_TESTS = [
     (HERE / "test_norm_numerics.py", "cuda and (test_layer_norm or test_rms_norm or test_many_rows)"),

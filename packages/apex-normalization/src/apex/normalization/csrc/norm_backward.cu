@@ -130,8 +130,10 @@ __device__ __forceinline__ void launder(Vec<T, N>& v) {
 }
 
 // dx for the vectors of a row that a thread holds (see norm_backward.cuh). The restrict-qualified
-// pointers let the weight loads of later vectors move above earlier stores.
-template <int kVecs, int kV, typename T, typename W, typename O, typename S>
+// pointers let the weight loads of later vectors move above earlier stores. kFma: as in
+// xhat_and_wdy, x * slope + (offset - mean * slope) rather than (x - mean) * slope + offset.
+// kWeight: weight is known not to be null.
+template <bool kFma, bool kWeight, int kVecs, int kV, typename T, typename W, typename O, typename S>
 __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const T* __restrict__ grad_residual,
                                                const W* __restrict__ weight, const W* __restrict__ bias,
                                                bool memory_efficient,
@@ -147,10 +149,11 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
     float xhat[kV], wdy[kV], dy[kV], w[kV];
     to_floats(xhat, xs[k]);
     to_floats(dy, dys[k]);
-    if (weight != nullptr) load_floats(w, weight + col);
+    const bool has_weight = kWeight || weight != nullptr;
+    if (has_weight) load_floats(w, weight + col);
     float dx[kV];
     if (memory_efficient) {
-      xhat_and_wdy(xhat, wdy, dy, weight != nullptr, w, bias, memory_efficient, col, mean, rstd);
+      xhat_and_wdy(xhat, wdy, dy, has_weight, w, bias, memory_efficient, col, mean, rstd);
 #pragma unroll
       for (int j = 0; j < kV; ++j) dx[j] = rstd * (wdy[j] - (xhat[j] * projection + centering));
     } else {
@@ -158,10 +161,12 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
       // rstd * wdy - ((x - mean) * slope + offset): four operations per element, not six.
       const float slope = rstd * rstd * projection;
       const float offset = rstd * centering;
+      const float offset_at_zero = fmaf(-mean, slope, offset);
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
-        const float w_dy = weight != nullptr ? dy[j] * w[j] : dy[j];
-        dx[j] = fmaf(rstd, w_dy, -fmaf(xhat[j] - mean, slope, offset));
+        const float w_dy = has_weight ? dy[j] * w[j] : dy[j];
+        const float shifted = kFma ? fmaf(xhat[j], slope, offset_at_zero) : fmaf(xhat[j] - mean, slope, offset);
+        dx[j] = fmaf(rstd, w_dy, -shifted);
       }
     }
     if (grad_residual != nullptr) {
@@ -191,8 +196,8 @@ __device__ __forceinline__ void unstage(V& dst, const uint4* smem) {
 }
 
 // Starts the copies of a tile's rows (this group's row, if any) into shared memory and loads the
-// row's mean and rstd; commits one copy group, possibly empty.
-template <int kVecs, int kV, typename T, typename W, typename O, typename S>
+// row's mean and rstd; commits one copy group, possibly empty. kWhole: see backward_in_registers.
+template <int kVecs, int kV, bool kWhole, typename T, typename W, typename O, typename S>
 __device__ __forceinline__ void prefetch_rows(const BackwardParams<T, W, O, S>& p, const RowGroup& g, int64_t tile,
                                               int64_t tiles, uint4* staged_saved, uint4* staged_dy, float& mean,
                                               float& rstd) {
@@ -205,7 +210,7 @@ __device__ __forceinline__ void prefetch_rows(const BackwardParams<T, W, O, S>& 
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
-      if (v < vectors) {
+      if (kWhole || v < vectors) {
         stage<Vec<S, kV>>(staged_saved + v * kPiecesS, p.saved + offset + v * kV);
         stage<Vec<O, kV>>(staged_dy + v * kPiecesO, p.grad_output + offset + v * kV);
       }
@@ -282,10 +287,14 @@ __device__ __forceinline__ void finish_column_sums(const float* partial_weight, 
 // that loads stay in flight through the row reduction; the next row's mean and rstd are loaded
 // with them. One buffer: the copies into it are issued after the row reduction, which needed
 // every value this thread had read from it.
+// kWhole: every row group's threads hold whole rows of exactly kVecs vectors each, every group of
+// every tile has a row (rows a multiple of the groups), and there is a weight: no vector, row or
+// weight pointer is checked, and the weight loads are no longer behind a branch, free to be
+// issued early.
 // __launch_bounds__ with a minimum of one block per SM: without it ptxas gave the
 // memory_efficient kernel with float32 saved values 32 registers and 312 bytes of stack (64 and
 // 128 with it).
-template <typename T, typename W, typename O, bool kEfficient, bool kPrefetch, int kVecs,
+template <typename T, typename W, typename O, bool kEfficient, bool kPrefetch, int kVecs, bool kWhole,
           typename S = std::conditional_t<kEfficient, O, T>>
 __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
     backward_in_registers(const BackwardParams<T, W, O, S> p) {
@@ -294,6 +303,9 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
   constexpr int kPiecesS = sizeof(Vec<S, kV>) / 16;
   constexpr int kPiecesO = sizeof(Vec<O, kV>) / 16;
   constexpr bool kEarly = kVecs == kLongRowVecs;  // see kLongRowVecs
+  // See xhat_and_wdy. Not for 2 vectors per thread: at their 64 registers it spilled (40 bytes of
+  // stack for bfloat16), and layer norm 16384x4096 fwd+bwd took 0.2255 ms, not 0.2009.
+  constexpr bool kFma = sizeof(S) == 2 && kVecs == kLongRowVecs;
   __shared__ float scratch[2 * 2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of two sums per warp
   int turn = 0;
   extern __shared__ float4 accumulators[];
@@ -309,7 +321,7 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
-      if (v < vectors) zero_columns<kV>(acc_w, acc_b, v, vectors);
+      if (kWhole || v < vectors) zero_columns<kV>(acc_w, acc_b, v, vectors);
     }
   }
   uint4* staged = reinterpret_cast<uint4*>(accumulators) + (accumulate ? sums_per_column * g.count * p.hidden / 4 : 0);
@@ -319,12 +331,12 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
   float next_mean = 0.0f;
   float next_rstd = 0.0f;
   if constexpr (kPrefetch) {
-    prefetch_rows<kVecs, kV>(p, g, blockIdx.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+    prefetch_rows<kVecs, kV, kWhole>(p, g, blockIdx.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
   }
 
   for (int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const int64_t row = tile * g.count + g.index;
-    const bool row_valid = row < p.rows;
+    const bool row_valid = kWhole || row < p.rows;
     const int64_t offset = row * p.hidden;
     Vec<S, kV> xs[kVecs];
     Vec<O, kV> dys[kVecs];
@@ -333,7 +345,7 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
-      valid[k] = row_valid && v < vectors;
+      valid[k] = kWhole || (row_valid && v < vectors);
       if (valid[k]) {
         if constexpr (kPrefetch) {
           unstage(xs[k], staged_saved + v * kPiecesS);
@@ -362,8 +374,9 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
       float xhat[kV], wdy[kV], dy[kV], w[kV], dxhat[kV];
       to_floats(xhat, xs[k]);
       to_floats(dy, dys[k]);
-      if (p.weight != nullptr) load_floats(w, p.weight + v * kV);
-      xhat_and_wdy(xhat, wdy, dy, p.weight != nullptr, w, p.bias, kEfficient, v * kV, mean, rstd);
+      const bool has_weight = kWhole || p.weight != nullptr;
+      if (has_weight) load_floats(w, p.weight + v * kV);
+      xhat_and_wdy<kV, W, kFma>(xhat, wdy, dy, has_weight, w, p.bias, kEfficient, v * kV, mean, rstd);
 #pragma unroll
       for (int j = 0; j < kV; ++j) {
         sums[0] += wdy[j] * xhat[j];
@@ -373,16 +386,16 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
       if (accumulate) accumulate_columns<kV>(acc_w, acc_b, v, vectors, dxhat, dy);
     }
     if constexpr (kPrefetch && kEarly) {
-      prefetch_rows<kVecs, kV>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+      prefetch_rows<kVecs, kV, kWhole>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
     }
     group_sum(sums, g, scratch, turn);
     if constexpr (kPrefetch && !kEarly) {
-      prefetch_rows<kVecs, kV>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
+      prefetch_rows<kVecs, kV, kWhole>(p, g, tile + gridDim.x, tiles, staged_saved, staged_dy, next_mean, next_rstd);
     }
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
 
-    write_grad_row(p.grad_input + offset, p.grad_residual != nullptr ? p.grad_residual + offset : nullptr, p.weight,
+    write_grad_row<kFma, kWhole>(p.grad_input + offset, p.grad_residual != nullptr ? p.grad_residual + offset : nullptr, p.weight,
                    p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (accumulate) {
@@ -469,6 +482,13 @@ inline int backward_vecs_switch() {
   return v;
 }
 
+// APEX_NORM_BWD_WHOLE=0 keeps rows that fill their groups exactly on the checked kernels (tests and
+// tuning); unset or 1: such rows take the kWhole kernels.
+inline bool backward_whole_switch() {
+  static const bool on = env_int("APEX_NORM_BWD_WHOLE", 1) != 0;
+  return on;
+}
+
 template <typename T, typename W, typename O, bool kEfficient, int kVecs,
           typename S = std::conditional_t<kEfficient, O, T>>
 bool backward_registers_vecs(const BackwardArgs& a) {
@@ -494,8 +514,17 @@ bool backward_registers_vecs(const BackwardArgs& a) {
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
   const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
   if (accumulator_bytes + static_smem > limit) return false;
-  const auto plain = backward_in_registers<T, W, O, kEfficient, false, kVecs>;
-  const auto prefetching = backward_in_registers<T, W, O, kEfficient, true, kVecs>;
+  // Whole rows (kWhole) are built for the long rows only (hidden a multiple of 1024 16-bit
+  // elements; the common case there). At 2 vectors per thread, 64 registers, ptxas spilled them
+  // (16 bytes of stack for bfloat16 with bfloat16 weights, against none). Not memory_efficient
+  // either: with float32 weights it spilled twice as much (80 bytes of stack, not 40).
+  constexpr bool kWholeBuilt = kVecs == kLongRowVecs && !kEfficient;
+  const bool whole = kWholeBuilt && backward_whole_switch() && p.weight != nullptr &&
+                     vectors == static_cast<int64_t>(p.group_threads) * kVecs && p.rows % groups == 0;
+  const auto plain = whole ? backward_in_registers<T, W, O, kEfficient, false, kVecs, kWholeBuilt>
+                           : backward_in_registers<T, W, O, kEfficient, false, kVecs, false>;
+  const auto prefetching = whole ? backward_in_registers<T, W, O, kEfficient, true, kVecs, kWholeBuilt>
+                                 : backward_in_registers<T, W, O, kEfficient, true, kVecs, false>;
   const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
   // The driver's carveout, not the largest: blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
   // fwd+bwd with it and 0.261 ms with the largest, which leaves L1 only 28 KiB.
