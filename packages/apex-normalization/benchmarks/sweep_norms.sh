@@ -9,6 +9,7 @@
 #   APEX_NORM_BWD_PREFETCH backward: cp.async of the next tile (0 off, 1 default: on when it fits)
 #   APEX_NORM_BWD_VECS     backward: vectors per thread for every row (2 or 4; default by row length)
 #   APEX_NORM_BWD_FINISH   backward: weight gradients summed by the kernel itself (1 default) or by a second kernel (0)
+#   APEX_NORM_BWD_WHOLE    backward: the unchecked kernels for rows that fill their threads exactly (1 default, 0 off)
 #
 #   sweep_norms.sh OUTDIR "APEX_NORM_PREFETCH=0" "APEX_NORM_PREFETCH=1"
 set -euo pipefail

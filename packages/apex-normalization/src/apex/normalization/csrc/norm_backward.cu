@@ -13,7 +13,10 @@
 // cooperatively (the default where the device allows), the grid then waits for every block's row
 // (grid.sync()) and adds the partial rows up itself, from L2; otherwise sum_partials does, a
 // second kernel. Where blocks walk over several tiles and shared memory allows, the next tile's
-// rows are copied in (cp.async) while a tile is reduced and written.
+// rows are copied in (cp.async) while a tile is reduced and written. Rows that fill their
+// threads exactly (long rows: every thread holds its 4 vectors, rows a multiple of the groups,
+// with a weight) take kernels without per-vector checks (kWhole): at 4096x16384 bf16 on the H200,
+// layer norm backward 140 -> 124 us.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
