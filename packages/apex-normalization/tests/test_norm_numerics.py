@@ -43,9 +43,9 @@ SMALL_SHAPES = [SHAPES[i] for i in (1, 3, 5, 6, 7, 9)]
 # More rows than one wave of blocks holds on an H200: blocks walk several tiles, and the weight
 # and bias gradients are added from many partial rows.
 MANY_ROWS = [((8192, 1024), 1), ((1536, 8192), 1)]
-# On CUDA only (the CPU reference adds nothing): rows that fill their groups exactly (every vector
-# of 8192-element rows held, rows an even number) take the unchecked backward kernel; an odd
-# number of rows the checked one.
+# On CUDA only (the CPU reference adds nothing): bfloat16 rows of 8192 elements fill two row
+# groups per block exactly, so an even number of rows takes the unchecked backward kernel and an
+# odd number the checked one (float32 rows of 8192 are one group per block: unchecked either way).
 ODD_ROWS = [pytest.param("cuda", (1537, 8192), 1, id="cuda-1537x8192-n1", marks=pytest.mark.gpu)]
 
 

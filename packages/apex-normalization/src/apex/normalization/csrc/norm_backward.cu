@@ -398,8 +398,9 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
     const float projection = sums[0] * inv_hidden;
     const float centering = p.rms ? 0.0f : sums[1] * inv_hidden;
 
-    write_grad_row<kFma, kWhole>(p.grad_input + offset, p.grad_residual != nullptr ? p.grad_residual + offset : nullptr, p.weight,
-                   p.bias, kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
+    write_grad_row<kFma, kWhole>(p.grad_input + offset,
+                                 p.grad_residual != nullptr ? p.grad_residual + offset : nullptr, p.weight, p.bias,
+                                 kEfficient, xs, dys, valid, g.lane, g.threads, mean, rstd, projection, centering);
   }
   if (accumulate) {
     write_partial_row<kV>(reinterpret_cast<const float*>(accumulators), g.count, p.hidden, p.partial_weight,
