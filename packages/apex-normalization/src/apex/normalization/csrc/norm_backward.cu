@@ -182,22 +182,6 @@ __device__ __forceinline__ void write_grad_row(T* __restrict__ grad_input, const
   }
 }
 
-// Copies a vector V (whole 16-byte pieces) into shared memory asynchronously (cp.async).
-template <typename V>
-__device__ __forceinline__ void stage(uint4* smem, const void* gmem) {
-  static_assert(sizeof(V) % 16 == 0, "whole 16-byte pieces");
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) {
-    copy_async16(smem + i, reinterpret_cast<const uint4*>(gmem) + i);
-  }
-}
-
-template <typename V>
-__device__ __forceinline__ void unstage(V& dst, const uint4* smem) {
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) reinterpret_cast<uint4*>(&dst)[i] = smem[i];
-}
-
 // Starts the copies of a tile's rows (this group's row, if any) into shared memory and loads the
 // row's mean and rstd; commits one copy group, possibly empty. kWhole: see backward_in_registers.
 template <int kVecs, int kV, bool kWhole, typename T, typename W, typename O, typename S>

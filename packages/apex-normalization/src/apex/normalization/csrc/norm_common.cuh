@@ -276,6 +276,22 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// Copies a vector V (whole 16-byte pieces) into shared memory asynchronously (cp.async).
+template <typename V>
+__device__ __forceinline__ void stage(uint4* smem, const void* gmem) {
+  static_assert(sizeof(V) % 16 == 0, "whole 16-byte pieces");
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) {
+    copy_async16(smem + i, reinterpret_cast<const uint4*>(gmem) + i);
+  }
+}
+
+template <typename V>
+__device__ __forceinline__ void unstage(V& dst, const uint4* smem) {
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) reinterpret_cast<uint4*>(&dst)[i] = smem[i];
+}
+
 // An integer from the environment (tuning switches), or `fallback` when unset or empty.
 inline int env_int(const char* name, int fallback) {
   const char* value = std::getenv(name);
