@@ -8,6 +8,9 @@
 # new/old. Needs apex-core installed (tools/gpu_verify.sh, or pip install packages/apex-core).
 #
 #   ab_norms.sh OUTDIR OLD_PACKAGE_DIR [REPS]
+#
+# BENCH_ARGS: more arguments for bench_norms.py, e.g. "--shapes 1024x1024,2048x512 --samples 30"
+# (later arguments win over the defaults above).
 set -euo pipefail
 OUT=$(mkdir -p "${1:?usage: ab_norms.sh OUTDIR OLD_PACKAGE_DIR [REPS]}" && cd "$1" && pwd)
 OLD=$(cd "${2:?usage: ab_norms.sh OUTDIR OLD_PACKAGE_DIR [REPS]}" && pwd)
@@ -38,7 +41,7 @@ wait "$new_pid" && wait "$old_pid"
 echo "ab_norms: built in $((SECONDS - start)) s"
 for rep in $(seq "$REPS"); do
   for side in old new; do
-    if ! PYTHONPATH="$OUT/$side${PYTHONPATH:+:$PYTHONPATH}" $PY "$HERE/bench_norms.py" --quick --samples 10 \
+    if ! PYTHONPATH="$OUT/$side${PYTHONPATH:+:$PYTHONPATH}" $PY "$HERE/bench_norms.py" --quick --samples 10 ${BENCH_ARGS:-} \
       --out "$OUT/$side-$rep" >"$OUT/$side-$rep.log" 2>&1; then
       echo "ab_norms: bench_norms.py failed for the $side build, round $rep (its log: $OUT/$side-$rep.log)" >&2
       tail -20 "$OUT/$side-$rep.log" >&2

@@ -8,6 +8,7 @@ backward (input, weight and bias gradients through ``torch.autograd.grad``; inpu
 in both passes, as in training).
 
     python packages/apex-normalization/benchmarks/bench_norms.py [--out DIR] [--samples N] [--quick] [--norms ...]
+        [--shapes ROWSxHIDDEN,...]
 
 Timing. The bars are about the kernels, so the "ms" columns are device time: one pass over
 enough copies of the data to outgrow L2 is captured in a CUDA graph, and a sample is one replay
@@ -232,6 +233,17 @@ def verdicts(rows: list[Row], copy_gbps: float) -> list[str]:
     return lines
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """``"1024x1024,2048x512"`` -> ``[(1024, 1024), (2048, 512)]``."""
+    shapes = []
+    for item in text.split(","):
+        rows, sep, hidden = item.strip().partition("x")
+        if not (sep and rows.isdigit() and hidden.isdigit() and int(rows) > 0 and int(hidden) > 0):
+            raise argparse.ArgumentTypeError(f"{item!r} is not ROWSxHIDDEN (positive integers)")
+        shapes.append((int(rows), int(hidden)))
+    return shapes
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_norms.md")
@@ -240,6 +252,12 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="tuning runs: device time of ours and eager PyTorch only (no compile)"
     )
     parser.add_argument("--norms", default="layer_norm,rms_norm", help="comma-separated: layer_norm, rms_norm")
+    parser.add_argument(
+        "--shapes",
+        type=parse_shapes,
+        default=LARGE_SHAPES + SMALL_SHAPES,
+        help="comma-separated ROWSxHIDDEN (tuning runs); default: the bars' shapes",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_norms: needs a CUDA device", file=sys.stderr)
@@ -250,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_gbps = copy_bandwidth_gbps(args.samples)
     rows = []
     for norm in args.norms.split(","):
-        for r, h in LARGE_SHAPES + SMALL_SHAPES:
+        for r, h in args.shapes:
             rows += bench(norm, r, h, args.samples, args.quick)
     header = [
         "# bench_norms",
