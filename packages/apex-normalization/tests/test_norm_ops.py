@@ -335,18 +335,21 @@ def test_every_output_element_is_written(hidden, rms):
 
 @pytest.mark.multigpu
 @pytest.mark.parametrize(
-    ("rows", "hidden"), [(37, 1024), (37, 1023), (600, 8192)], ids=["registers", "streaming", "long-rows"]
+    ("rows", "hidden", "dtype"),
+    [(37, 1024, torch.float32), (37, 1023, torch.float32), (600, 8192, torch.float32), (64, 1024, torch.bfloat16)],
+    ids=["registers", "streaming", "long-rows", "small-rows"],
 )
-def test_second_gpu(rows, hidden):
+def test_second_gpu(rows, hidden, dtype):
     """Tensors on cuda:1 while cuda:0 is current: results on cuda:1, equal to the CPU reference.
 
     long-rows takes the forward that prefetches and holds the weights, and the backward for long
-    rows that sums the weight gradients in a cooperative launch."""
+    rows that sums the weight gradients in a cooperative launch; small-rows takes the small-row
+    forward, which stages the weight and bias in shared memory (its smem attribute is per device)."""
     assert torch.cuda.current_device() == 0
-    x_cpu = torch.randn(rows, hidden)
-    w_cpu = torch.rand(hidden) + 0.5
-    b_cpu = torch.randn(hidden)
-    dy_cpu = torch.randn(rows, hidden)
+    x_cpu = torch.randn(rows, hidden).to(dtype)
+    w_cpu = (torch.rand(hidden) + 0.5).to(dtype)
+    b_cpu = torch.randn(hidden).to(dtype)
+    dy_cpu = torch.randn(rows, hidden).to(dtype)
     results = {}
     for device in ("cpu", "cuda:1"):
         x, w, b = (leaf(t.to(device)) for t in (x_cpu, w_cpu, b_cpu))
@@ -354,8 +357,9 @@ def test_second_gpu(rows, hidden):
         out.backward(dy_cpu.to(device))
         assert out.device == torch.device(device) and x.grad.device == torch.device(device)
         results[device] = [t.cpu() for t in (out, x.grad, w.grad, b.grad)]
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     for got, expected in zip(results["cuda:1"], results["cpu"]):
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
     assert torch.cuda.current_device() == 0
 
 
