@@ -33,6 +33,7 @@
 
 #include <apex/checks.h>
 #include <apex/dispatch.h>
+#include <apex/launch.cuh>
 #include <apex/reductions.cuh>
 #include <apex/vectorized.cuh>
 #include <apex/welford.cuh>
@@ -300,17 +301,11 @@ inline int env_int(const char* name, int fallback) {
 
 // Launch helpers ----------------------------------------------------------------------------
 
-C10_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int next_power_of_two(int64_t n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
-}
+using apex::ceil_div;
+using apex::next_power_of_two;
+using apex::sm_count;
 
 inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
 // Blocks of `threads` threads (and `smem` bytes of dynamic shared memory) that fit on one
 // multiprocessor of the current device at once; cached, as launches ask for it every call.

@@ -29,6 +29,7 @@
 
 #include <apex/checks.h>
 #include <apex/dispatch.h>
+#include <apex/launch.cuh>
 #include <apex/reductions.cuh>
 #include <apex/vectorized.cuh>
 #include <apex/welford.cuh>
@@ -281,9 +282,9 @@ __device__ __forceinline__ void welford_batch(apex::Welford<float>& w, const flo
 
 // Launch helpers ----------------------------------------------------------------------------
 
-C10_HOST_DEVICE inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+using apex::ceil_div;
+using apex::next_power_of_two;
+using apex::sm_count;
 
 // Blocks of kThreads that keep every multiprocessor full.
 inline int64_t full_grid() { return static_cast<int64_t>(sm_count()) * (2048 / kThreads); }
@@ -294,12 +295,6 @@ inline int64_t chunks_for(int64_t blocks_per_chunk, int64_t work_per_channel, in
   const int64_t wanted = ceil_div(full_grid(), std::max<int64_t>(blocks_per_chunk, 1));
   const int64_t useful = std::max<int64_t>(work_per_channel / (2 * work_per_sweep), 1);
   return std::min({wanted, useful, kMaxChunks});
-}
-
-inline int next_power_of_two(int64_t n) {
-  int p = 1;
-  while (p < n) p *= 2;
-  return p;
 }
 
 // A channels-last block: bx threads over channel units (a power of two up to a warp), by rows.
