@@ -70,12 +70,11 @@ struct ForwardParams {
 // kLoaded: the weight and bias vectors are already in registers (w, b): the small-row kernel
 // copies them into shared memory at its start, while its input loads are in flight, and reads
 // them from there after the row's statistics; the holding kernel loads them once for all its
-// rows. In the per-vector loop below (neither kernel) each load
-// sits in its own `valid[k]` branch after the previous vector's store, and the compiler does not
-// hoist loads out of branches: the SASS shows one dependent weight load per vector, four L2
-// round trips per row, which is what a latency-bound small problem pays. Holding them needs
-// registers that only the small-row kernel and the holding kernel (kHold, at most kHoldBlock
-// threads per block) have.
+// rows. In the per-vector loop below (neither kernel) each load sits in its own `valid[k]`
+// branch after the previous vector's store, and the compiler does not hoist loads out of
+// branches: the SASS shows one dependent weight load per vector, four L2 round trips per row,
+// which is what a latency-bound small problem pays. Holding them needs registers that only the
+// small-row kernel and the holding kernel (kHold, at most kHoldBlock threads per block) have.
 template <int kVecs, int kV, bool kLoaded, typename T, typename W, typename O>
 __device__ __forceinline__ void write_row(O* __restrict__ out, const W* __restrict__ weight,
                                           const W* __restrict__ bias, const Vec<T, kV> (&x)[kVecs],
