@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-import apex.core._ops  # noqa: F401  (defines torch.ops.apex_core.*)
+import apex.core  # noqa: F401  (registers torch.ops.apex_core.*)
 
 CHUNK_SIZE = 65536
 

@@ -5,6 +5,5 @@ PLUGIN = Plugin(
     distribution="apex-amp",
     provides=("apex.amp", "apex.fp16_utils"),
     kernel_library=None,
-    ops_module=None,
     requires=("apex-core",),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-import apex.core._ops  # noqa: F401  (defines torch.ops.apex_core.*)
+import apex.core  # noqa: F401  (registers torch.ops.apex_core.*)
 
 
 class LossScaler:

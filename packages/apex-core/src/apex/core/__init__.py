@@ -1,17 +1,13 @@
 """apex-core: the kernel loader, build helpers, plugin registry and shared CUDA headers of apex.
 
-Importing this package is cheap: torch and the compiled kernels are imported only when an
-attribute that needs them is used.
+Importing it registers apex-core's ops (``torch.ops.apex_core.*``) with their references and
+fakes; no kernel is loaded or compiled until a CUDA tensor first reaches one.
 """
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
-
-try:
-    __version__ = _metadata.version("apex-core")
-except _metadata.PackageNotFoundError:  # a source-tree run without an install
-    __version__ = "0+source"
+from apex.core import _ops  # noqa: F401  (registers torch.ops.apex_core.*)
+from apex.core._version import __version__
 
 __all__ = ["__version__", "flatten", "get_include", "plugins", "report", "unflatten"]
 

@@ -1,9 +1,10 @@
-"""apex-core's dispatcher ops (namespace ``apex_core``): schemas, references, fakes.
+"""apex-core's dispatcher ops (namespace ``apex_core``): schemas, checks, references.
 
 All multi-tensor ops take ``chunk_size`` (elements per CUDA block, ignored by the
 reference) and a one-element int32 ``noop_flag`` on the tensors' device, which the ops that
 check for overflow set to 1 when they meet an inf or NaN, without a host sync.
-Arithmetic is done in float32 whatever the storage dtype.
+Arithmetic is done in float32 whatever the storage dtype. How an op is written:
+``apex.core.library``.
 """
 
 from __future__ import annotations
@@ -12,14 +13,25 @@ import torch
 
 from apex.core import checks
 from apex.core._plugin import KERNELS
-from apex.core.library import define
+from apex.core.library import op
 
 INT32 = (torch.int32,)
 FLOAT32 = (torch.float32,)
 
 
-def _flag_device(op: str, noop_flag: torch.Tensor) -> torch.device:
-    return checks.scalar_tensor(op, "noop_flag", noop_flag, INT32, None)
+def _check_flag(a) -> None:
+    """chunk_size and noop_flag, shared by the multi-tensor ops; sets ``a.device``."""
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    a.device = checks.scalar_tensor(a.op, "noop_flag", a.noop_flag, INT32, None)
+
+
+def _check_outputs(a, inputs: str, outputs: str) -> None:
+    """List ``outputs`` matches list ``inputs``, tensor by tensor, in length and element count."""
+    checks.same_lengths(a.op, **{inputs: getattr(a, inputs), outputs: getattr(a, outputs)})
+    checks.tensor_list(a.op, outputs, getattr(a, outputs), a.device)
+    for i, (x, out) in enumerate(zip(getattr(a, inputs), getattr(a, outputs))):
+        if x.numel() != out.numel():
+            raise ValueError(f"{a.op}: {outputs}[{i}] has {out.numel()} elements but {inputs}[{i}] has {x.numel()}")
 
 
 def _raise_flag(noop_flag: torch.Tensor, bad: torch.Tensor | None) -> None:
@@ -35,108 +47,72 @@ def _any_nonfinite(tensors_f32) -> torch.Tensor | None:
     return bad
 
 
-# multi_tensor_scale ---------------------------------------------------------------------
+def _check_scale(a) -> None:
+    _check_flag(a)
+    checks.tensor_list(a.op, "inputs", a.inputs, a.device)
+    _check_outputs(a, "inputs", "outputs")
+    if a.scale_tensor is not None:
+        checks.scalar_tensor(a.op, "scale_tensor", a.scale_tensor, FLOAT32, a.device)
 
 
-def _check_scale(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor):
-    op = "multi_tensor_scale"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _flag_device(op, noop_flag)
-    checks.same_lengths(op, inputs=inputs, outputs=outputs)
-    checks.tensor_list(op, "inputs", inputs, device)
-    checks.tensor_list(op, "outputs", outputs, device)
-    for i, (x, out) in enumerate(zip(inputs, outputs)):
-        if x.numel() != out.numel():
-            raise ValueError(f"{op}: outputs[{i}] has {out.numel()} elements but inputs[{i}] has {x.numel()}")
-    if scale_tensor is not None:
-        checks.scalar_tensor(op, "scale_tensor", scale_tensor, FLOAT32, device)
-
-
-def _scale_reference(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor=None):
-    _check_scale(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor)
-    if not inputs:
-        return
-    factor = scale if scale_tensor is None else scale_tensor.reshape(()) * scale
-    upcast = [x.float() for x in inputs]
-    bad = _any_nonfinite(upcast)
-    for xf, out in zip(upcast, outputs):
-        out.view(-1).copy_((xf * factor).view(-1))
-    _raise_flag(noop_flag, bad)
-
-
-def _scale_fake(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor=None):
-    _check_scale(chunk_size, noop_flag, inputs, outputs, scale, scale_tensor)
-
-
-multi_tensor_scale = define(
+@op(
     KERNELS,
     "multi_tensor_scale(int chunk_size, Tensor(a!) noop_flag, Tensor[] inputs, Tensor(b!)[] outputs, "
     "float scale, Tensor? scale_tensor=None) -> ()",
-    _scale_reference,
-    _scale_fake,
+    check=_check_scale,
 )
+def multi_tensor_scale(a):
+    if not a.inputs:
+        return
+    factor = a.scale if a.scale_tensor is None else a.scale_tensor.reshape(()) * a.scale
+    upcast = [x.float() for x in a.inputs]
+    bad = _any_nonfinite(upcast)
+    for xf, out in zip(upcast, a.outputs):
+        out.view(-1).copy_((xf * factor).view(-1))
+    _raise_flag(a.noop_flag, bad)
 
 
-# multi_tensor_axpby ---------------------------------------------------------------------
-
-
-def _check_axpby(chunk_size, noop_flag, x, y, out, a, b, arg_to_check):
-    op = "multi_tensor_axpby"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _flag_device(op, noop_flag)
-    checks.same_lengths(op, x=x, y=y, out=out)
-    for name, tensors in (("x", x), ("y", y), ("out", out)):
-        checks.tensor_list(op, name, tensors, device)
-    for i, (xi, yi, oi) in enumerate(zip(x, y, out)):
+def _check_axpby(a) -> None:
+    _check_flag(a)
+    checks.same_lengths(a.op, x=a.x, y=a.y, out=a.out)
+    for name in ("x", "y", "out"):
+        checks.tensor_list(a.op, name, getattr(a, name), a.device)
+    for i, (xi, yi, oi) in enumerate(zip(a.x, a.y, a.out)):
         if not (xi.numel() == yi.numel() == oi.numel()):
             raise ValueError(
-                f"{op}: x[{i}], y[{i}] and out[{i}] must have the same number of elements "
+                f"{a.op}: x[{i}], y[{i}] and out[{i}] must have the same number of elements "
                 f"({xi.numel()}, {yi.numel()}, {oi.numel()})"
             )
-    if arg_to_check not in (-1, 0, 1):
-        raise ValueError(f"{op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check}")
+    if a.arg_to_check not in (-1, 0, 1):
+        raise ValueError(f"{a.op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {a.arg_to_check}")
 
 
-def _axpby_reference(chunk_size, noop_flag, x, y, out, a, b, arg_to_check):
-    _check_axpby(chunk_size, noop_flag, x, y, out, a, b, arg_to_check)
-    if not x:
-        return
-    xf = [t.float() for t in x]
-    yf = [t.float() for t in y]
-    checked = {-1: xf + yf, 0: xf, 1: yf}[arg_to_check]
-    bad = _any_nonfinite(checked)
-    for xi, yi, oi in zip(xf, yf, out):
-        oi.view(-1).copy_((a * xi + b * yi).view(-1))
-    _raise_flag(noop_flag, bad)
-
-
-def _axpby_fake(chunk_size, noop_flag, x, y, out, a, b, arg_to_check):
-    _check_axpby(chunk_size, noop_flag, x, y, out, a, b, arg_to_check)
-
-
-multi_tensor_axpby = define(
+@op(
     KERNELS,
     "multi_tensor_axpby(int chunk_size, Tensor(a!) noop_flag, Tensor[] x, Tensor[] y, Tensor(b!)[] out, "
     "float a, float b, int arg_to_check) -> ()",
-    _axpby_reference,
-    _axpby_fake,
+    check=_check_axpby,
 )
+def multi_tensor_axpby(a):
+    if not a.x:
+        return
+    xf = [t.float() for t in a.x]
+    yf = [t.float() for t in a.y]
+    checked = {-1: xf + yf, 0: xf, 1: yf}[a.arg_to_check]
+    bad = _any_nonfinite(checked)
+    for xi, yi, oi in zip(xf, yf, a.out):
+        oi.view(-1).copy_((a.a * xi + a.b * yi).view(-1))
+    _raise_flag(a.noop_flag, bad)
 
 
-# multi_tensor_l2norm --------------------------------------------------------------------
+def _check_l2norm(a) -> None:
+    _check_flag(a)
+    checks.tensor_list(a.op, "inputs", a.inputs, a.device)
 
 
-def _check_l2norm(chunk_size, noop_flag, inputs, per_tensor):
-    op = "multi_tensor_l2norm"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _flag_device(op, noop_flag)
-    checks.tensor_list(op, "inputs", inputs, device)
-    return device
-
-
-def _norm_outputs(like: torch.Tensor, n: int, per_tensor: bool):
-    total = like.new_empty((1,), dtype=torch.float32)
-    per = like.new_empty((n if per_tensor else 0,), dtype=torch.float32)
+def _norm_outputs(a):
+    total = a.noop_flag.new_empty((1,), dtype=torch.float32)
+    per = a.noop_flag.new_empty((len(a.inputs) if a.per_tensor else 0,), dtype=torch.float32)
     return total, per
 
 
@@ -148,158 +124,74 @@ def _norms(upcast, per_tensor, device):
     return total, per if per_tensor else per.new_empty((0,))
 
 
-def _l2norm_reference(chunk_size, noop_flag, inputs, per_tensor):
-    device = _check_l2norm(chunk_size, noop_flag, inputs, per_tensor)
-    return _norms([t.float() for t in inputs], per_tensor, device)
-
-
-def _l2norm_fake(chunk_size, noop_flag, inputs, per_tensor):
-    _check_l2norm(chunk_size, noop_flag, inputs, per_tensor)
-    return _norm_outputs(noop_flag, len(inputs), per_tensor)
-
-
-multi_tensor_l2norm = define(
+@op(
     KERNELS,
     "multi_tensor_l2norm(int chunk_size, Tensor noop_flag, Tensor[] inputs, bool per_tensor) -> (Tensor, Tensor)",
-    _l2norm_reference,
-    _l2norm_fake,
+    check=_check_l2norm,
+    fake=_norm_outputs,
 )
+def multi_tensor_l2norm(a):
+    return _norms([t.float() for t in a.inputs], a.per_tensor, a.device)
 
 
-# multi_tensor_unscale_l2norm ------------------------------------------------------------
+def _check_unscale_l2norm(a) -> None:
+    _check_l2norm(a)
+    if a.outputs:
+        _check_outputs(a, "inputs", "outputs")
+    checks.scalar_tensor(a.op, "inv_scale", a.inv_scale, FLOAT32, a.device)
 
 
-def _check_unscale_l2norm(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor):
-    op = "multi_tensor_unscale_l2norm"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _flag_device(op, noop_flag)
-    checks.tensor_list(op, "inputs", inputs, device)
-    if outputs:
-        checks.same_lengths(op, inputs=inputs, outputs=outputs)
-        checks.tensor_list(op, "outputs", outputs, device)
-        for i, (x, out) in enumerate(zip(inputs, outputs)):
-            if x.numel() != out.numel():
-                raise ValueError(f"{op}: outputs[{i}] has {out.numel()} elements but inputs[{i}] has {x.numel()}")
-    checks.scalar_tensor(op, "inv_scale", inv_scale, FLOAT32, device)
-    return device
-
-
-def _unscale_l2norm_reference(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor):
-    device = _check_unscale_l2norm(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor)
-    factor = inv_scale.reshape(())
-    unscaled = [t.float() * factor for t in inputs]
-    bad = _any_nonfinite(unscaled)
-    result = _norms(unscaled, per_tensor, device)
-    for u, out in zip(unscaled, outputs):
-        out.view(-1).copy_(u.view(-1))
-    _raise_flag(noop_flag, bad)
-    return result
-
-
-def _unscale_l2norm_fake(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor):
-    _check_unscale_l2norm(chunk_size, noop_flag, inputs, outputs, inv_scale, per_tensor)
-    return _norm_outputs(noop_flag, len(inputs), per_tensor)
-
-
-multi_tensor_unscale_l2norm = define(
+@op(
     KERNELS,
     "multi_tensor_unscale_l2norm(int chunk_size, Tensor(a!) noop_flag, Tensor[] inputs, Tensor(b!)[] outputs, "
     "Tensor inv_scale, bool per_tensor) -> (Tensor, Tensor)",
-    _unscale_l2norm_reference,
-    _unscale_l2norm_fake,
+    check=_check_unscale_l2norm,
+    fake=_norm_outputs,
 )
+def multi_tensor_unscale_l2norm(a):
+    factor = a.inv_scale.reshape(())
+    unscaled = [t.float() * factor for t in a.inputs]
+    bad = _any_nonfinite(unscaled)
+    result = _norms(unscaled, a.per_tensor, a.device)
+    for u, out in zip(unscaled, a.outputs):
+        out.view(-1).copy_(u.view(-1))
+    _raise_flag(a.noop_flag, bad)
+    return result
 
 
-# update_scale_hysteresis ----------------------------------------------------------------
+def _check_update_scale(a) -> None:
+    device = checks.scalar_tensor(a.op, "current_scale", a.current_scale, FLOAT32, None)
+    checks.scalar_tensor(a.op, "growth_tracker", a.growth_tracker, INT32, device)
+    checks.scalar_tensor(a.op, "hysteresis_tracker", a.hysteresis_tracker, INT32, device)
+    checks.scalar_tensor(a.op, "found_inf", a.found_inf, FLOAT32, device)
+    if a.growth_interval <= 0:
+        raise ValueError(f"{a.op}: growth_interval must be positive, got {a.growth_interval}")
+    if a.hysteresis <= 0:
+        raise ValueError(f"{a.op}: hysteresis must be positive, got {a.hysteresis}")
+    if not a.growth_factor > 1.0:
+        raise ValueError(f"{a.op}: growth_factor must be > 1, got {a.growth_factor}")
+    if not 0.0 < a.backoff_factor < 1.0:
+        raise ValueError(f"{a.op}: backoff_factor must be in (0, 1), got {a.backoff_factor}")
 
 
-def _check_update_scale(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
-    op = "update_scale_hysteresis"
-    device = checks.scalar_tensor(op, "current_scale", current_scale, FLOAT32, None)
-    checks.scalar_tensor(op, "growth_tracker", growth_tracker, INT32, device)
-    checks.scalar_tensor(op, "hysteresis_tracker", hysteresis_tracker, INT32, device)
-    checks.scalar_tensor(op, "found_inf", found_inf, FLOAT32, device)
-    if growth_interval <= 0:
-        raise ValueError(f"{op}: growth_interval must be positive, got {growth_interval}")
-    if hysteresis <= 0:
-        raise ValueError(f"{op}: hysteresis must be positive, got {hysteresis}")
-    if not growth_factor > 1.0:
-        raise ValueError(f"{op}: growth_factor must be > 1, got {growth_factor}")
-    if not 0.0 < backoff_factor < 1.0:
-        raise ValueError(f"{op}: backoff_factor must be in (0, 1), got {backoff_factor}")
-
-
-def _update_scale_reference(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
-    _check_update_scale(
-        current_scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        growth_factor,
-        backoff_factor,
-        growth_interval,
-        hysteresis,
-    )
-    found = found_inf > 0
-    hysteresis_left = torch.where(found, hysteresis_tracker - 1, hysteresis_tracker)
-    back_off = found & (hysteresis_left <= 0)
-    successes = growth_tracker + 1
-    grow = ~found & (successes == growth_interval)
-    grown = current_scale * growth_factor
-    new_scale = torch.where(
-        back_off,
-        current_scale * backoff_factor,
-        torch.where(grow & torch.isfinite(grown), grown, current_scale),
-    )
-    growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successes), successes))
-    hysteresis_tracker.copy_(torch.where(found, hysteresis_left, torch.full_like(hysteresis_left, hysteresis)))
-    current_scale.copy_(new_scale)
-
-
-def _update_scale_fake(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-):
-    _check_update_scale(
-        current_scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        growth_factor,
-        backoff_factor,
-        growth_interval,
-        hysteresis,
-    )
-
-
-update_scale_hysteresis = define(
+@op(
     KERNELS,
     "update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
     "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, int hysteresis) -> ()",
-    _update_scale_reference,
-    _update_scale_fake,
+    check=_check_update_scale,
 )
+def update_scale_hysteresis(a):
+    found = a.found_inf > 0
+    hysteresis_left = torch.where(found, a.hysteresis_tracker - 1, a.hysteresis_tracker)
+    back_off = found & (hysteresis_left <= 0)
+    successes = a.growth_tracker + 1
+    grow = ~found & (successes == a.growth_interval)
+    grown = a.current_scale * a.growth_factor
+    new_scale = torch.where(
+        back_off,
+        a.current_scale * a.backoff_factor,
+        torch.where(grow & torch.isfinite(grown), grown, a.current_scale),
+    )
+    a.growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(successes), successes))
+    a.hysteresis_tracker.copy_(torch.where(found, hysteresis_left, torch.full_like(hysteresis_left, a.hysteresis)))
+    a.current_scale.copy_(new_scale)

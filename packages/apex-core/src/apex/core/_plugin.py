@@ -11,5 +11,4 @@ PLUGIN = Plugin(
     distribution="apex-core",
     provides=("apex.core", "apex.multi_tensor_apply"),
     kernel_library=KERNELS,
-    ops_module="apex.core._ops",
 )

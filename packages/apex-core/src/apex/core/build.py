@@ -188,7 +188,7 @@ def nvcc_flags(lib: KernelLibrary) -> list[str]:
 def build_info(lib: KernelLibrary, root: Path, tier: str, version: str | None = None) -> dict:
     import torch
 
-    from apex.core import __version__
+    from apex.core._version import __version__
 
     return {
         "library": lib.name,

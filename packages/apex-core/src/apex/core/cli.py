@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-from apex.core import __version__, plugins
+from apex.core import plugins
+from apex.core._version import __version__
 
 
 def _environment() -> dict:

@@ -27,13 +27,12 @@ class KernelLibrary:
 class Plugin:
     """What one distribution contributes to the ``apex`` namespace.
 
-    ``provides`` lists the public modules; ``ops_module`` is imported to define the
-    dispatcher schemas of ``kernel_library`` (reference and fake implementations included).
+    ``provides`` lists the public modules; importing the first registers the package's
+    dispatcher ops (their schemas, references and fakes).
     """
 
     name: str
     distribution: str
     provides: tuple[str, ...]
     kernel_library: KernelLibrary | None = None
-    ops_module: str | None = None
     requires: tuple[str, ...] = field(default_factory=tuple)

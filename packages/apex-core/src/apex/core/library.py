@@ -1,17 +1,28 @@
-"""Defining a package's dispatcher ops once: schema, reference, fake; the kernel comes later.
+"""The one way to define a package's dispatcher op: schema, check, reference, and a fake if needed.
 
-Each op gets
-- its schema in the package's namespace (``torch.ops.<lib.name>.<op>``);
-- the PyTorch reference as the ``CompositeExplicitAutograd`` kernel: the CPU path, and the
-  CUDA path until (or unless) the package's compiled library registers a ``CUDA`` kernel,
-  which the dispatcher then prefers;
-- a fake (meta) implementation for ``torch.compile`` and ``opcheck``.
+::
 
-The first CUDA call that reaches the reference asks the loader for the compiled library;
-when it loads, the call is re-dispatched to the kernel it registered.
+    @op(KERNELS, "scale_(Tensor(a!) x, float factor) -> ()", check=_check_scale)
+    def scale_(a):
+        a.x.mul_(a.factor)
 
-``register_autograd`` gives an op its backward and returns the caller that a package's Python
-API uses for it (see there why not the op itself).
+defines ``torch.ops.<KERNELS.name>.scale_`` and binds the module name ``scale_`` to it. The
+check, the reference and the fake each take one argument, ``a``: the op's arguments by the
+names of the schema (defaults filled in), plus ``a.op``, the op's name for error messages.
+
+- ``check(a)`` reads only metadata (it runs on fake tensors under ``torch.compile``) and raises
+  an error naming the bad argument. It runs once per call, before the reference or the fake, and
+  may store what it derived on ``a`` (an output dtype, a device) for them.
+- The decorated function is the PyTorch reference: the ``CompositeExplicitAutograd`` kernel,
+  so the CPU path, and the CUDA path until (or unless) the package's compiled library registers
+  a ``CUDA`` kernel, which the dispatcher then prefers. The first CUDA call that reaches the
+  reference asks the loader for the compiled library and, when it loads, re-dispatches.
+- ``fake(a)`` returns empty outputs of the right metadata. An op that returns nothing (a pure
+  in-place op, ``-> ()``) needs none: its fake is the check.
+
+Autograd: :func:`autograd` turns a forward op and its backward into a differentiable callable,
+the one autograd path of every package (a plain ``torch.autograd.Function``; the ops themselves
+carry no autograd formula).
 """
 
 from __future__ import annotations
@@ -30,6 +41,22 @@ _redispatching = threading.local()
 _missing_kernels: set[str] = set()
 
 
+class Args:
+    """An op call's arguments by schema name (``a.params``, ``a.lr``), and ``a.op``, its name."""
+
+    def __init__(self, values: dict):
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        return f"Args({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if k != 'op')})"
+
+
+def _library(lib: KernelLibrary) -> torch.library.Library:
+    if lib.name not in _libraries:
+        _libraries[lib.name] = torch.library.Library(lib.name, "DEF")
+    return _libraries[lib.name]
+
+
 def _first_tensor(args) -> torch.Tensor | None:
     for arg in args:
         if isinstance(arg, torch.Tensor):
@@ -41,125 +68,103 @@ def _first_tensor(args) -> torch.Tensor | None:
     return None
 
 
-def _library(lib: KernelLibrary) -> torch.library.Library:
-    if lib.name not in _libraries:
-        _libraries[lib.name] = torch.library.Library(lib.name, "DEF")
-    return _libraries[lib.name]
+def _binder(overload, name: str) -> Callable[[tuple, dict], Args]:
+    """A function turning a dispatcher call's (args, kwargs) into :class:`Args` of ``overload``."""
+    arguments = overload._schema.arguments
+    names = [arg.name for arg in arguments]
+    if "op" in names:
+        raise ValueError(f"{name}: an argument may not be called 'op' (Args.op is the op's name)")
+    defaults = {arg.name: arg.default_value for arg in arguments if arg.has_default_value()}
+
+    def bind(args: tuple, kwargs: dict) -> Args:
+        values = {"op": name, **defaults, **dict(zip(names, args)), **kwargs}
+        return Args(values)
+
+    return bind
 
 
-def define(lib: KernelLibrary, schema: str, reference: Callable, fake: Callable):
-    """Define ``schema`` in ``lib``'s namespace with its reference and fake; return the op."""
-    name = schema.split("(", 1)[0].strip()
-    qualname = f"{lib.name}::{name}"
-    library = _library(lib)
-    library.define(schema)
+def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: Callable | None = None):
+    """Decorator: define ``schema`` in ``lib``'s namespace with the decorated reference; return the op.
 
-    def reference_or_kernel(*args, **kwargs):
-        first = _first_tensor(args)
-        if (
-            first is not None
-            and first.is_cuda
-            and qualname not in _missing_kernels
-            and not getattr(_redispatching, "active", False)
-            and loader.kernels_for_cuda(lib)
-        ):
-            _redispatching.active = True
-            try:
-                return op(*args, **kwargs)
-            finally:
-                _redispatching.active = False
-        if first is not None and first.is_cuda and getattr(_redispatching, "active", False):
-            _missing_kernels.add(qualname)
-            warnings.warn(
-                f"apex: {lib.name} is loaded but registers no CUDA kernel for {qualname}; using the PyTorch reference",
-                loader.ReferenceFallbackWarning,
-                stacklevel=2,
-            )
-        return reference(*args, **kwargs)
-
-    library.impl(name, reference_or_kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(qualname, fake, lib=library)
-    op = getattr(getattr(torch.ops, lib.name), name).default
-    return op
-
-
-# Dispatches below the autograd keys, as torch.library's own autograd wrapper does (a private
-# PyTorch guard; without it the op's registered autograd runs, which only costs time).
-_BelowAutograd = getattr(torch._C, "_AutoDispatchBelowAutograd", None)
-_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
-
-
-def _call_below_autograd(op, args):
-    if _BelowAutograd is None:
-        return op(*args)
-    with _BelowAutograd():
-        return op(*args)
-
-
-def _requires_grad(args) -> bool:
-    for arg in args:
-        if isinstance(arg, torch.Tensor):
-            if arg.requires_grad:
-                return True
-        elif isinstance(arg, (list, tuple)) and _requires_grad(arg):
-            return True
-    return False
-
-
-def register_autograd(op, backward: Callable, setup_context: Callable) -> Callable:
-    """Register ``backward`` and ``setup_context`` as ``op``'s autograd; return a caller of ``op``.
-
-    The op itself (``torch.ops``, ``opcheck``, ``torch.compile``) is differentiable through
-    ``torch.library.register_autograd``, whose wrapper costs host time on every eager call (about
-    45 us of a 60 us forward call on the CI machine's CPU). The caller runs the same
-    ``setup_context`` and ``backward`` in a plain ``torch.autograd.Function`` when a gradient is
-    wanted and calls the op below autograd when not; while compiling and under ``torch.func``
-    transforms it calls the op. Where a compiled library registers the op's autograd in C++ for
-    the input's device (an ``AutogradCUDA`` kernel, which the dispatcher prefers to this Python
-    registration there), the caller calls the op: that costs the least host time. Pass it every
-    argument of the schema, positionally, as ``setup_context`` receives them as the op's inputs.
+    See the module docstring for what ``check``, the reference and ``fake`` receive. A fake is
+    required unless the op returns nothing.
     """
-    torch.library.register_autograd(op, backward, setup_context=setup_context)
+    name = schema.split("(", 1)[0].strip()
+    returns_nothing = schema.rsplit("->", 1)[1].strip() == "()"
+    if fake is None and not returns_nothing:
+        raise TypeError(f"{name}: an op that returns tensors needs a fake")
+    qualname = f"{lib.name}::{name}"
 
-    def forward(ctx, *args):
-        output = _call_below_autograd(op, args)
-        setup_context(ctx, args, output)
-        return output
+    def decorate(reference: Callable):
+        library = _library(lib)
+        library.define(schema)
+        overload = getattr(getattr(torch.ops, lib.name), name).default
+        bind = _binder(overload, name)
 
-    def function_backward(ctx, *grads):
-        return backward(ctx, *grads)
+        def run_reference(*args, **kwargs):
+            first = _first_tensor(args)
+            if first is not None and first.is_cuda and qualname not in _missing_kernels:
+                if not getattr(_redispatching, "active", False):
+                    if loader.kernels_for_cuda(lib):
+                        _redispatching.active = True
+                        try:
+                            return overload(*args, **kwargs)
+                        finally:
+                            _redispatching.active = False
+                else:  # re-dispatched here: the library loaded but has no CUDA kernel for this op
+                    _missing_kernels.add(qualname)
+                    warnings.warn(
+                        f"apex: {lib.name} is loaded but registers no CUDA kernel for {qualname}; "
+                        "using the PyTorch reference",
+                        loader.ReferenceFallbackWarning,
+                        stacklevel=2,
+                    )
+            a = bind(args, kwargs)
+            if check is not None:
+                check(a)
+            return reference(a)
 
-    # Named after the op: its tensors' grad_fn reads "<op name>Backward".
-    Function = type(
-        op._opname,
+        def run_fake(*args, **kwargs):
+            a = bind(args, kwargs)
+            if check is not None:
+                check(a)
+            return None if fake is None else fake(a)
+
+        library.impl(name, run_reference, "CompositeExplicitAutograd")
+        torch.library.register_fake(qualname, run_fake, lib=library)
+        return overload
+
+    return decorate
+
+
+def autograd(forward: Callable, setup_context: Callable, backward: Callable, name: str) -> Callable:
+    """A differentiable caller of ``forward`` (an op, or a function of ops), with the given backward.
+
+    ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grad_outputs)`` are those of
+    ``torch.autograd.Function`` (and of ``torch.library.register_autograd``): ``inputs`` are the
+    caller's positional arguments, ``backward`` returns one gradient (or None) per input. The
+    result is ``Function.apply`` of a Function named ``name`` (``<name>Backward`` in grad_fn),
+    which eager mode, ``torch.compile`` and ``torch.func.grad`` all differentiate. Without a
+    gradient to record, the caller calls ``forward`` directly.
+    """
+
+    def forward_(*args):
+        return forward(*args)
+
+    function = type(
+        name,
         (torch.autograd.Function,),
-        {"forward": staticmethod(forward), "backward": staticmethod(function_backward)},
+        {
+            "forward": staticmethod(forward_),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+        },
     )
-
-    native = set()  # device types whose autograd kernel for the op is compiled code
+    apply = function.apply
 
     def call(*args):
-        if torch.compiler.is_compiling() or _functorch_active():
-            return op(*args)
-        if torch.is_grad_enabled() and _requires_grad(args):
-            device = args[0].device.type
-            if device in native or _has_native_autograd(op, device, native):
-                return op(*args)
-            return Function.apply(*args)
-        return _call_below_autograd(op, args)
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
+            return apply(*args)
+        return forward(*args)
 
     return call
-
-
-_AUTOGRAD_KEYS = {"cuda": "AutogradCUDA", "cpu": "AutogradCPU"}
-
-
-def _has_native_autograd(op, device: str, native: set) -> bool:
-    """Whether ``op`` has a kernel registered for the autograd key of ``device`` itself (not the
-    Autograd alias that torch.library.register_autograd fills); remembered once true. Checked on
-    every call until then, as a compiled library may be loaded after the first call."""
-    key = _AUTOGRAD_KEYS.get(device)
-    if key is None or not torch._C._dispatch_has_kernel_for_dispatch_key(op._schema.name, key):
-        return False
-    native.add(device)
-    return True

@@ -113,6 +113,6 @@ def lockstep_problems(records: list[PluginRecord] | None = None) -> list[str]:
 
 
 def import_ops(record: PluginRecord) -> None:
-    """Import the plugin's ops module so its schemas exist before its kernels load."""
-    if record.plugin and record.plugin.ops_module:
-        importlib.import_module(record.plugin.ops_module)
+    """Import the plugin's public module, which registers its ops, before its kernels load."""
+    if record.plugin and record.plugin.provides:
+        importlib.import_module(record.plugin.provides[0])

@@ -11,6 +11,5 @@ PLUGIN = Plugin(
     distribution="apex-normalization",
     provides=("apex.normalization",),
     kernel_library=KERNELS,
-    ops_module="apex.normalization._ops",
     requires=("apex-core",),
 )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-import apex.core._ops  # noqa: F401  (apex_core's norms, used by LAMB and NovoGrad)
+import apex.core  # noqa: F401  (registers apex_core's norms, used by LAMB and NovoGrad)
 from apex.core import checks
 from apex.core.library import define
 from apex.optimizers._plugin import KERNELS

@@ -11,6 +11,5 @@ PLUGIN = Plugin(
     distribution="apex-optimizers",
     provides=("apex.optimizers",),
     kernel_library=KERNELS,
-    ops_module="apex.optimizers._ops",
     requires=("apex-core",),
 )

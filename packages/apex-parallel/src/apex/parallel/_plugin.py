@@ -11,6 +11,5 @@ PLUGIN = Plugin(
     distribution="apex-parallel",
     provides=("apex.parallel",),
     kernel_library=KERNELS,
-    ops_module="apex.parallel._ops",
     requires=("apex-core",),
 )
