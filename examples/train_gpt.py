@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from apex.core import amp_C, loader, plugins
-from apex.core.descriptors import KernelLibrary
+import apex.core
+from apex.core import amp_C
 from apex.multi_tensor_apply import multi_tensor_applier
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
@@ -66,14 +66,8 @@ class Choice:
 
     role: str
     name: str
-    kernels: KernelLibrary | None = None
+    kernels: str | None = None  # the apex package whose kernels it runs (apex.core.status)
     note: str = ""
-
-
-def plugin_kernels(name: str) -> KernelLibrary | None:
-    """The kernel library that the installed apex plugin ``name`` declares."""
-    plugin = plugins.get(name).plugin
-    return plugin.kernel_library if plugin is not None else None
 
 
 def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, Choice]:
@@ -85,7 +79,7 @@ def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Opt
         optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas)
         return optimizer, Choice("optimizer", "torch.optim.AdamW", note=f"apex.optimizers unavailable: {exc}")
     optimizer = FusedAdam(param_groups, lr=lr, betas=betas, adam_w_mode=True)
-    return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", plugin_kernels("optimizers"))
+    return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", "optimizers")
 
 
 def pick_norm() -> tuple[type[nn.Module], Choice]:
@@ -94,7 +88,7 @@ def pick_norm() -> tuple[type[nn.Module], Choice]:
         from apex.normalization import FusedLayerNorm
     except ImportError as exc:
         return nn.LayerNorm, Choice("norm", "torch.nn.LayerNorm", note=f"apex.normalization unavailable: {exc}")
-    return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", plugin_kernels("normalization"))
+    return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", "normalization")
 
 
 def pick_amp(opt_level: str, precision: str, use_cuda: bool):
@@ -113,7 +107,7 @@ def pick_amp(opt_level: str, precision: str, use_cuda: bool):
         if not use_cuda:
             return None, None, Choice("amp", "off", note="--opt-level auto: apex.amp on a GPU only (CPU stays fp32)")
         opt_level = "O2"
-    return amp, opt_level, Choice("amp", f"apex.amp {opt_level}", plugin_kernels("core"))
+    return amp, opt_level, Choice("amp", f"apex.amp {opt_level}", "core")
 
 
 def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch.Tensor) -> torch.Tensor:
@@ -141,7 +135,7 @@ def describe_kernels(choice: Choice, device: torch.device) -> str:
         # CPU tensors always take the PyTorch reference; the loader is only asked for CUDA.
         tier, reason = "reference", "CPU tensors use the PyTorch reference"
     else:
-        status = loader.status(choice.kernels)
+        status = apex.core.status(choice.kernels)
         tier, reason = status.tier, status.reason
     return f"  {choice.role:<10} {choice.name:<34} tier={tier} ({reason})"
 
@@ -451,7 +445,7 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
         amp_choice.name += f" ({precision}, loss scale {amp._amp_state.opt_properties.loss_scale})"
     net = wrap_data_parallel(model) if world > 1 else model  # trains; model evaluates and samples
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
-    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", plugin_kernels("core"))
+    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", "core")
     params = [p for p in model.parameters() if p.requires_grad]
     noop_flag = torch.zeros(1, dtype=torch.int32, device=device)
 

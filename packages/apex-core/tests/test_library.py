@@ -1,10 +1,10 @@
-"""apex.core.library: an op defined with define() and given its backward with register_autograd().
+"""apex.core.library: ops defined with op() and made differentiable with autograd().
 
-A toy op in its own namespace, ``scaled_square(x, w, scale) -> (y, x_sum)`` with
-``y = scale * x**2 * w`` and a non-differentiable second output: the caller that
-register_autograd returns must give what the op gives, values and gradients, with or without
-grad mode, under torch.compile, and must run the registered backward through its own
-autograd.Function rather than the op's registered autograd.
+Toy ops in their own namespace: an out-of-place ``scaled_square(x, w, scale) -> (y, x_sum)``
+(``y = scale * x**2 * w``, a non-differentiable second output) and an in-place ``add_`` whose
+fake is derived. The check must run once per call on every path, the reference must see the
+schema's defaults, and the caller that autograd() returns must give the op's values and the
+registered backward's gradients in eager mode, without grad, under torch.compile and torch.func.
 """
 
 from __future__ import annotations
@@ -13,20 +13,40 @@ import pytest
 import torch
 
 from apex.core.descriptors import KernelLibrary
-from apex.core.library import define, register_autograd
+from apex.core.library import autograd, op
 
 LIB = KernelLibrary(name="apex_core_library_test", package="apex_core_library_test", sources=())
-SCHEMA = "scaled_square(Tensor x, Tensor? w, float scale) -> (Tensor y, Tensor x_sum)"
-calls = {"backward": 0}
+calls = {"check": 0}
+seen = {}
 
 
-def _reference(x, w, scale):
-    y = scale * x * x if w is None else scale * x * x * w
-    return y, x.sum().reshape(1)
+def _check(a):
+    calls["check"] += 1
+    if a.w is not None and a.w.shape != a.x.shape:
+        raise ValueError(f"{a.op}: w has shape {tuple(a.w.shape)} but x has {tuple(a.x.shape)}")
+    a.numel = a.x.numel()  # derived by the check, read by the reference and the fake
 
 
-def _fake(x, w, scale):
-    return torch.empty_like(x), x.new_empty((1,))
+def _fake(a):
+    return torch.empty_like(a.x), a.x.new_empty((1,))
+
+
+@op(LIB, "scaled_square(Tensor x, Tensor? w, float scale=2.0) -> (Tensor y, Tensor x_sum)", check=_check, fake=_fake)
+def scaled_square(a):
+    seen["scale"], seen["numel"] = a.scale, a.numel
+    y = a.scale * a.x * a.x if a.w is None else a.scale * a.x * a.x * a.w
+    return y, a.x.sum().reshape(1)
+
+
+def _check_add(a):
+    calls["check"] += 1
+    if a.out.shape != a.x.shape:
+        raise ValueError(f"{a.op}: out has shape {tuple(a.out.shape)} but x has {tuple(a.x.shape)}")
+
+
+@op(LIB, "add_(Tensor(a!) out, Tensor x, *, float alpha=1.0) -> ()", check=_check_add)
+def add_(a):
+    a.out.add_(a.x, alpha=a.alpha)
 
 
 def _setup_context(ctx, inputs, output):
@@ -37,7 +57,6 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_y, _grad_sum):
-    calls["backward"] += 1
     x, w = ctx.saved_tensors
     factor = 2 * ctx.scale * x
     grad_x = grad_y * factor if w is None else grad_y * factor * w
@@ -45,8 +64,7 @@ def _backward(ctx, grad_y, _grad_sum):
     return grad_x, grad_w, None
 
 
-OP = define(LIB, SCHEMA, _reference, _fake)
-CALL = register_autograd(OP, _backward, _setup_context)
+CALL = autograd(scaled_square, _setup_context, _backward, "ScaledSquare")
 
 
 def leaves():
@@ -54,89 +72,89 @@ def leaves():
     return torch.randn(5, 3, requires_grad=True), torch.randn(5, 3, requires_grad=True)
 
 
+def test_op_is_the_dispatcher_op_and_binds_defaults_by_name():
+    assert scaled_square is torch.ops.apex_core_library_test.scaled_square.default
+    x = torch.randn(4, 3)
+    y, total = torch.ops.apex_core_library_test.scaled_square(x, None)
+    assert seen == {"scale": 2.0, "numel": 12}
+    torch.testing.assert_close(y, 2.0 * x * x)
+    torch.testing.assert_close(total, x.sum().reshape(1))
+    scaled_square(x, None, scale=0.5)
+    assert seen["scale"] == 0.5
+
+
+def test_check_runs_once_per_call_and_names_the_argument():
+    x = torch.randn(3)
+    before = calls["check"]
+    scaled_square(x, torch.ones(3))
+    assert calls["check"] == before + 1
+    with pytest.raises(ValueError, match=r"^scaled_square: w has shape \(2,\) but x has \(3,\)$"):
+        scaled_square(x, torch.ones(2))
+    out = torch.zeros(3)
+    add_(out, x, alpha=3.0)
+    torch.testing.assert_close(out, 3.0 * x)
+    with pytest.raises(ValueError, match=r"^add_: out has shape \(2,\)"):
+        add_(torch.zeros(2), x)
+
+
+def test_the_fake_runs_the_check_and_is_derived_for_an_in_place_op():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(6, 2)
+        before = calls["check"]
+        y, total = scaled_square(x, None)
+        assert (y.shape, total.shape, calls["check"]) == (x.shape, (1,), before + 1)
+        assert add_(torch.empty(6, 2), x) is None
+        with pytest.raises(ValueError, match="add_: out has shape"):
+            add_(torch.empty(1), x)
+
+
+def test_opcheck_passes_for_both_ops():
+    x = torch.randn(4, 3)
+    torch.library.opcheck(scaled_square, (x, torch.randn(4, 3), 1.5))
+    torch.library.opcheck(add_, (torch.randn(4, 3), x), {"alpha": 0.5})
+
+
+def test_an_op_returning_tensors_needs_a_fake_and_op_is_a_reserved_name():
+    with pytest.raises(TypeError, match="no_fake: an op that returns tensors needs a fake"):
+        op(LIB, "no_fake(Tensor x) -> Tensor")
+    with pytest.raises(ValueError, match="an argument may not be called 'op'"):
+        op(LIB, "named_op(Tensor x, int op) -> ()")(lambda a: None)
+
+
 @pytest.mark.parametrize("with_weight", [True, False])
-def test_caller_gives_the_ops_values_and_gradients(with_weight):
+def test_caller_gives_the_ops_values_and_the_backwards_gradients(with_weight):
     x, w = leaves()
     weight = w if with_weight else None
-    dy = torch.randn(5, 3)
-    results = []
-    for fn in (OP, CALL):
-        calls["backward"] = 0
-        y, total = fn(x, weight, 1.5)
-        assert not total.requires_grad
-        grads = torch.autograd.grad(y, [x, w] if with_weight else [x], dy)
-        assert calls["backward"] == 1
-        results.append((y.detach(), total, *grads))
-    for got, expected in zip(results[1], results[0]):
-        assert torch.equal(got, expected)
-    torch.testing.assert_close(results[1][2], dy * 3.0 * x.detach() * (w.detach() if with_weight else 1.0))
+    y, total = CALL(x, weight, 1.5)
+    assert type(y.grad_fn).__name__ == "ScaledSquareBackward"
+    assert not total.requires_grad
+    y.sum().backward()  # the op has no autograd formula: these gradients are the backward's
+    expected_x = 2 * 1.5 * x.detach() * (w.detach() if with_weight else 1)
+    torch.testing.assert_close(x.grad, expected_x)
+    if with_weight:
+        torch.testing.assert_close(w.grad, 1.5 * x.detach() ** 2)
 
 
-def test_caller_uses_its_own_function_not_the_ops_autograd():
-    x, w = leaves()
-    y, _ = CALL(x, w, 2.0)
-    assert type(y.grad_fn).__name__ == "scaled_squareBackward"
-    y_op, _ = OP(x, w, 2.0)
-    assert type(y_op.grad_fn).__name__ != "scaled_squareBackward"  # torch.library's own wrapper
-
-
-def test_only_the_inputs_that_need_it_get_a_gradient():
-    x, w = leaves()
-    w.requires_grad_(False)
-    y, _ = CALL(x, w, 2.0)
-    (grad_x,) = torch.autograd.grad(y.sum(), [x])
-    torch.testing.assert_close(grad_x, 4.0 * x.detach() * w)
-
-
-def test_without_grad_the_op_runs_below_autograd():
+def test_caller_without_grad_calls_the_op_directly():
     x, w = leaves()
     with torch.no_grad():
-        y, _ = CALL(x, w, 2.0)
+        y, _ = CALL(x, w, 1.0)
     assert y.grad_fn is None and not y.requires_grad
-    y, _ = CALL(x.detach(), w.detach(), 2.0)
+    y, _ = CALL(x.detach(), w.detach(), 1.0)
     assert y.grad_fn is None
-    torch.testing.assert_close(y, 2.0 * x.detach() ** 2 * w.detach())
 
 
-def test_caller_compiles_fullgraph():
+def test_caller_compiles_fullgraph_forward_and_backward():
     x, w = leaves()
-    compiled = torch.compile(lambda a, b: CALL(a, b, 0.5)[0], fullgraph=True, backend="aot_eager")
-    y = compiled(x, w)
-    (grad_x,) = torch.autograd.grad(y.sum(), [x])
-    torch.testing.assert_close(y, 0.5 * x.detach() ** 2 * w.detach())
-    torch.testing.assert_close(grad_x, x.detach() * w.detach())
+    compiled = torch.compile(lambda x, w: CALL(x, w, 0.5)[0].sum(), fullgraph=True, backend="aot_eager")
+    compiled(x, w).backward()
+    torch.testing.assert_close(x.grad, 2 * 0.5 * x.detach() * w.detach())
+    torch.testing.assert_close(w.grad, 0.5 * x.detach() ** 2)
 
 
-def test_caller_calls_the_op_where_its_autograd_is_native():
-    """A kernel registered for the device's own autograd key (as a compiled library registers
-    AutogradCUDA) takes over from the Python registration; the caller then calls the op."""
-    schema = "native_square(Tensor x, Tensor? w, float scale) -> (Tensor y, Tensor x_sum)"
-    op = define(LIB, schema, _reference, _fake)
-    call = register_autograd(op, _backward, _setup_context)
+def test_caller_under_torch_func_grad():
     x, w = leaves()
-    y, _ = call(x, w, 1.0)
-    assert type(y.grad_fn).__name__ == "native_squareBackward"  # no native kernel yet
-
-    class Native(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w, scale):
-            with torch._C._AutoDispatchBelowAutograd():
-                y, total = op(x, w, scale)
-            ctx.mark_non_differentiable(total)
-            ctx.save_for_backward(x, w)
-            ctx.scale = scale
-            return y, total
-
-        @staticmethod
-        def backward(ctx, grad_y, _grad_sum):
-            return _backward(ctx, grad_y, _grad_sum)
-
-    library = torch.library.Library(LIB.name, "IMPL")
-    library.impl("native_square", lambda x, w, scale: Native.apply(x, w, scale), "AutogradCPU")
-    try:
-        y, _ = call(x, w, 1.0)
-        assert type(y.grad_fn).__name__ == "NativeBackward"
-        (grad_x,) = torch.autograd.grad(y.sum(), [x])
-        torch.testing.assert_close(grad_x, 2.0 * x.detach() * w.detach())
-    finally:
-        library._destroy()
+    grad_x = torch.func.grad(lambda x: CALL(x, w.detach(), 1.0)[0].sum())(x.detach())
+    torch.testing.assert_close(grad_x, 2 * x.detach() * w.detach())

@@ -81,7 +81,7 @@ def test_aot_built_for_something_else_is_refused(monkeypatch, fake_lib, override
     monkeypatch.setenv("APEX_OPS", "aot")
     with pytest.raises(loader.KernelLoadError, match=message):
         loader.load(lib)
-    assert loader.probe(lib).tier in ("reference", "jit")
+    assert loader.plan(lib).tier == "unavailable"  # strict aot, the build refused
 
 
 def test_sources_hash_follows_the_sources(fake_lib):
@@ -97,7 +97,7 @@ def test_cpu_torch_falls_back_to_reference_quietly_and_jit_is_strict(monkeypatch
     monkeypatch.setenv("APEX_OPS", "auto")
     result = loader.load(lib)
     assert result.tier == "reference" and "CPU build" in result.reason
-    assert loader.probe(lib).tier == "reference"
+    assert loader.plan(lib).tier == "reference"
     loader.reset(lib.name)
     monkeypatch.setenv("APEX_OPS", "jit")
     with pytest.raises(loader.KernelLoadError, match=r"APEX_OPS=jit but jit: .*CPU build"):
@@ -116,30 +116,58 @@ def test_fallback_warns_once_with_the_reason(monkeypatch, fake_lib):
     assert "apex_loader_fake kernels unavailable" in messages[0] and "nvcc exploded" in messages[0]
 
 
-def test_status_before_loading_is_the_probe(monkeypatch, fake_lib):
+def test_plan_before_loading_then_what_was_loaded(monkeypatch, fake_lib):
+    lib = fake_lib[0]
     monkeypatch.setenv("APEX_OPS", "reference")
-    assert loader.status(fake_lib[0]).reason == "forced by APEX_OPS=reference"
+    planned = loader.plan(lib)
+    assert (planned.reason, planned.loaded) == ("forced by APEX_OPS=reference", False)
+    loaded = loader.load(lib)
+    assert loaded.loaded and loader.plan(lib) is loaded
+
+
+def test_a_jit_compile_says_when_it_starts_and_ends(monkeypatch, tmp_path, fake_lib, capsys):
+    lib = fake_lib[0]
+    monkeypatch.setenv("APEX_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build, "check_toolchain", lambda: tmp_path)
+    compiled = []
+
+    def fake_compile(name, build_directory, **_):
+        compiled.append(name)
+        (__import__("pathlib").Path(build_directory) / f"{name}.so").write_bytes(b"")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", fake_compile)
+    monkeypatch.setattr(loader, "_announced", set())
+    first = loader.jit_build(lib)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2, err
+    assert err[0].startswith("apex: compiling the apex_loader_fake kernels (apex_loader_fake)")
+    assert str(tmp_path / "cache" / "jit") in err[0] and "minute" in err[0]
+    assert err[1].startswith("apex: apex_loader_fake compiled in ")
+    assert "compiled from the shipped sources" in first.reason
+    again = loader.jit_build(lib)  # cached now: nothing printed
+    assert capsys.readouterr().err == "" and "reused the cached build" in again.reason
+    assert compiled == ["apex_loader_fake_jit"] * 2
 
 
 def test_jit_cache_key_depends_on_sources(monkeypatch, tmp_path, fake_lib):
     lib, package = fake_lib
     monkeypatch.setenv("APEX_CACHE_DIR", str(tmp_path / "cache"))
-    first, _ = loader.jit_build_dir(lib)
+    first, _ = build.jit_dir(lib)
     (package / "csrc" / "kernel.cu").write_text("// changed\n")
-    second, _ = loader.jit_build_dir(lib)
+    second, _ = build.jit_dir(lib)
     assert first != second
     assert first.parent == tmp_path / "cache" / "jit"
 
 
 @pytest.mark.gpu
 def test_cuda_ops_run_the_compiled_kernels():
-    from apex.core import _ops
-    from apex.core._plugin import KERNELS
+    import apex.core
 
     noop = torch.zeros(1, dtype=torch.int32, device="cuda")
     x = [torch.randn(1000, device="cuda")]
-    _ops.multi_tensor_scale(2048, noop, x, x, 2.0)
-    state = loader.status(KERNELS)
+    torch.ops.apex_core.multi_tensor_scale(2048, noop, x, x, 2.0)
+    state = apex.core.status("core")
+    assert state.loaded
     assert state.has_kernels, f"CUDA ops ran the reference: {state.reason}"
 
 
@@ -150,14 +178,14 @@ def test_jit_tier_compiles_loads_and_runs(tmp_path):
 
     code = (
         "import torch\n"
-        "from apex.core import _ops, loader\n"
+        "from apex.core import loader\n"
         "from apex.core._plugin import KERNELS\n"
         "state = loader.load(KERNELS)\n"
         "print('tier', state.tier)\n"
         "x = [torch.randn(4099, device='cuda')]\n"
         "out = [torch.empty(4099, device='cuda', dtype=torch.float16)]\n"
         "noop = torch.zeros(1, dtype=torch.int32, device='cuda')\n"
-        "_ops.multi_tensor_scale(2048, noop, x, out, 2.0)\n"
+        "torch.ops.apex_core.multi_tensor_scale(2048, noop, x, out, 2.0)\n"
         "torch.testing.assert_close(out[0].float(), (x[0] * 2).half().float())\n"
     )
     env = {**__import__("os").environ, "APEX_OPS": "jit", "APEX_CACHE_DIR": str(tmp_path)}

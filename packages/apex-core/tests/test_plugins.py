@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib import metadata
@@ -77,3 +78,36 @@ def test_report_and_list_text():
 def test_build_unknown_name():
     result = _apex("build", "no-such-package")
     assert result.returncode == 2 and "no kernel package named no-such-package" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["report", "list", "build"])
+def test_a_bad_apex_ops_is_one_line_and_exit_2(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "apex.core", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "APEX_OPS": "bogus"},
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"apex {command}: error: APEX_OPS='bogus' is not one of auto, aot, jit, reference"
+    ]
+
+
+def test_status_names_each_installed_package(monkeypatch):
+    import apex.core
+
+    monkeypatch.setenv("APEX_OPS", "reference")
+    state = apex.core.status("core")
+    assert (state.name, state.tier, state.reason) == ("apex_core", "reference", "forced by APEX_OPS=reference")
+    with pytest.raises(KeyError, match="no apex plugin named 'nonexistent'"):
+        apex.core.status("nonexistent")
+
+
+def test_status_of_a_pure_package_is_none():
+    import apex.core
+
+    if not any(r.name == "amp" for r in plugins.discover()):
+        pytest.skip("apex-amp is not installed")
+    assert apex.core.status("amp") is None

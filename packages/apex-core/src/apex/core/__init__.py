@@ -9,7 +9,21 @@ from __future__ import annotations
 from apex.core import _ops  # noqa: F401  (registers torch.ops.apex_core.*)
 from apex.core._version import __version__
 
-__all__ = ["__version__", "flatten", "get_include", "plugins", "report", "unflatten"]
+__all__ = ["__version__", "flatten", "get_include", "plugins", "report", "status", "unflatten"]
+
+
+def status(name: str):
+    """How the installed apex package ``name`` ("core", "optimizers", ...) runs on CUDA tensors.
+
+    A ``LibraryStatus`` with ``tier`` ("aot", "jit", "reference", or "unavailable" when a strict
+    ``APEX_OPS`` tier can't be had), ``reason``, ``path``, ``build_info`` and ``loaded`` (whether
+    its kernels were loaded in this process; before that, what loading will do); None for a
+    pure-Python package. Compiles and loads nothing. KeyError if ``name`` is not installed.
+    CPU tensors always run the PyTorch reference.
+    """
+    from apex.core import plugins as _plugins
+
+    return _plugins.kernel_status(_plugins.get(name))
 
 
 def get_include() -> str:

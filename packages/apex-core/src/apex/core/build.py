@@ -202,6 +202,27 @@ def build_info(lib: KernelLibrary, root: Path, tier: str, version: str | None = 
     }
 
 
+def cache_root() -> Path:
+    """The JIT cache: ``APEX_CACHE_DIR``, else ``$XDG_CACHE_HOME/apex``, else ``~/.cache/apex``."""
+    env = os.environ.get("APEX_CACHE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "apex"
+
+
+def jit_dir(lib: KernelLibrary, root: Path | None = None) -> tuple[Path, dict]:
+    """The JIT cache folder of ``lib`` for this torch/CUDA/Python/arch/sources/flags, and its build info."""
+    import torch
+
+    root = root or package_dir(lib)
+    info = build_info(lib, root, "jit")
+    key_src = json.dumps({**info, "flags": [cxx_flags(lib), nvcc_flags(lib)]}, sort_keys=True)
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    tag = f"torch{torch.__version__}-cu{torch.version.cuda}-py{info['python']}"
+    return cache_root() / "jit" / f"{lib.name}-{tag}-{key}", info
+
+
 def build_info_mismatch(info: dict, lib: KernelLibrary, root: Path) -> str | None:
     """Why a build described by ``info`` must not be loaded here, or None if it may."""
     import torch

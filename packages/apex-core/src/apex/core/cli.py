@@ -43,8 +43,6 @@ def _environment() -> dict:
 
 def report(as_json: bool = False, file=None) -> int:
     """Print every plugin with its version, kernel tier and why; return 1 on a broken or out-of-step plugin."""
-    from apex.core import loader
-
     file = file or sys.stdout
     records = plugins.discover()
     rows = []
@@ -56,11 +54,10 @@ def report(as_json: bool = False, file=None) -> int:
             "found_by": record.found_by,
             "error": record.error,
         }
-        lib = record.plugin.kernel_library if record.plugin else None
-        if lib is not None:
-            state = loader.probe(lib)
+        state = plugins.kernel_status(record)
+        if state is not None:
             row.update(
-                library=lib.name,
+                library=state.name,
                 tier=state.tier,
                 reason=state.reason,
                 built_for={k: state.build_info.get(k) for k in ("torch", "cuda", "python", "arch_list")}
@@ -104,6 +101,8 @@ def list_plugins(file=None) -> int:
 
 def build_kernels(names: list[str], verbose: bool) -> int:
     """Compile the JIT kernels of the named plugins (all when none named) into the cache."""
+    import time
+
     from apex.core import build, loader
 
     selected = plugins.kernel_libraries()
@@ -114,14 +113,16 @@ def build_kernels(names: list[str], verbose: bool) -> int:
             return 2
         selected = [(r, lib) for r, lib in selected if r.name in names]
     failed = 0
-    for record, lib in selected:
+    for i, (record, lib) in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] {record.name}: building {lib.name} ...", flush=True)
+        start = time.monotonic()
         try:
             plugins.import_ops(record)
             result = loader.jit_build(lib, verbose=verbose)
-            print(f"{record.name}: built {lib.name} ({result.reason})")
+            print(f"[{i}/{len(selected)}] {record.name}: done in {time.monotonic() - start:.0f} s ({result.reason})")
         except (build.BuildUnavailable, OSError, RuntimeError) as exc:
             failed += 1
-            print(f"{record.name}: FAILED to build {lib.name}: {exc}", file=sys.stderr)
+            print(f"[{i}/{len(selected)}] {record.name}: FAILED to build {lib.name}: {exc}", file=sys.stderr)
     return 1 if failed else 0
 
 
@@ -135,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("names", nargs="*", help="plugin names (default: all)")
     build_parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    from apex.core import loader
+
+    try:
+        loader.requested_tier()
+    except loader.KernelLoadError as exc:  # a bad environment is a usage error, as a bad argument is
+        print(f"apex {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "report":
         return report(as_json=args.json)
     if args.command == "list":

@@ -4,17 +4,19 @@
 back to the PyTorch reference with one warning naming the reason; ``aot`` and ``jit`` are
 strict and raise :class:`KernelLoadError` with the reason instead of falling back.
 
-Loading is lazy: nothing is compiled or loaded at import. The reference implementation of
-each op, reached for a CUDA tensor while no kernel is registered, calls :func:`load` once and
-re-dispatches when a kernel became available.
+:func:`plan` decides the tier from what is installed and cached, without compiling or loading
+anything (``apex report`` shows it); :func:`load` carries the plan out once per process.
+Loading is lazy: the reference implementation of each op, reached for a CUDA tensor while no
+kernel is registered, calls :func:`load` and re-dispatches when a kernel became available.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +24,12 @@ from pathlib import Path
 from apex.core.descriptors import KernelLibrary
 
 TIERS = ("auto", "aot", "jit", "reference")
+# What a JIT build of one package took on the machines we measured (16-core H200 host: 40-70 s).
+JIT_BUILD_TIME = "about a minute on 16 cores, longer on fewer"
 
 
 class KernelLoadError(RuntimeError):
-    """A strict tier (APEX_OPS=aot or jit) could not be loaded; the message says why."""
+    """A strict tier (APEX_OPS=aot or jit) could not be loaded, or APEX_OPS is not a tier."""
 
 
 class ReferenceFallbackWarning(UserWarning):
@@ -35,11 +39,12 @@ class ReferenceFallbackWarning(UserWarning):
 @dataclass
 class LibraryStatus:
     name: str
-    tier: str  # "aot", "jit", "reference", or "not loaded"
+    tier: str  # "aot", "jit", "reference", or "unavailable" (a strict APEX_OPS tier that can't be had)
     reason: str = ""
-    path: str | None = None
+    path: str | None = None  # the AOT library, or the JIT cache folder
     build_info: dict = field(default_factory=dict)
-    attempts: list[str] = field(default_factory=list)
+    attempts: list[str] = field(default_factory=list)  # why the tiers before this one were passed over
+    loaded: bool = False  # whether load() carried this out in this process
 
     @property
     def has_kernels(self) -> bool:
@@ -47,7 +52,7 @@ class LibraryStatus:
 
 
 _lock = threading.RLock()
-_status: dict[str, LibraryStatus] = {}
+_loaded: dict[str, LibraryStatus] = {}
 _warned: set[str] = set()
 
 
@@ -58,34 +63,15 @@ def requested_tier() -> str:
     return value
 
 
-def cache_root() -> Path:
-    env = os.environ.get("APEX_CACHE_DIR")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "apex"
-
-
-def status(lib: KernelLibrary) -> LibraryStatus:
-    """The library's status: what was loaded, or (before any CUDA op ran) what :func:`probe` expects."""
-    with _lock:
-        loaded = _status.get(lib.name)
-    return loaded if loaded is not None else probe(lib)
-
-
-def _find_aot(lib: KernelLibrary, root: Path) -> Path | None:
-    candidates = sorted(root.glob("_C*.so")) + sorted(root.glob("_C*.pyd"))
-    return candidates[0] if candidates else None
-
-
-def _loadable_aot(lib: KernelLibrary) -> tuple[Path, dict]:
+def _aot_build(lib: KernelLibrary) -> tuple[Path, dict]:
     """The installed AOT build and its build info, or BuildUnavailable saying why it can't be loaded."""
     from apex.core import build
 
     root = build.package_dir(lib)
-    so_path = _find_aot(lib, root)
-    if so_path is None:
+    candidates = sorted(root.glob("_C*.so")) + sorted(root.glob("_C*.pyd"))
+    if not candidates:
         raise build.BuildUnavailable("no AOT build installed (the package was installed without compiling)")
+    so_path = candidates[0]
     info_path = root / ("_C" + build.BUILD_INFO_SUFFIX)
     if not info_path.exists():
         raise build.BuildUnavailable(f"{so_path.name} has no build-info file {info_path.name}; refusing to load it")
@@ -96,40 +82,82 @@ def _loadable_aot(lib: KernelLibrary) -> tuple[Path, dict]:
     return so_path, info
 
 
-def _try_aot(lib: KernelLibrary) -> LibraryStatus:
-    import torch
+def _jit_plan(lib: KernelLibrary) -> LibraryStatus:
+    from apex.core import build
 
-    so_path, info = _loadable_aot(lib)
-    torch.ops.load_library(str(so_path))
-    return LibraryStatus(lib.name, "aot", "ahead-of-time build matches this torch/CUDA/Python", str(so_path), info)
+    build.check_toolchain()
+    build_dir, info = build.jit_dir(lib)
+    if any(build_dir.glob("*.so")):
+        return LibraryStatus(lib.name, "jit", f"cached build in {build_dir}", str(build_dir), info)
+    return LibraryStatus(lib.name, "jit", "will compile on first CUDA use (or now: `apex build`)", str(build_dir), info)
 
 
-def jit_build_dir(lib: KernelLibrary) -> tuple[Path, dict]:
+def plan(lib: KernelLibrary) -> LibraryStatus:
+    """The tier :func:`load` takes for ``lib``, and why, without compiling or loading anything.
+
+    Once loaded, the status of what was loaded. A strict ``APEX_OPS`` tier that is not to be had
+    plans tier "unavailable" (:func:`load` raises it); a bad ``APEX_OPS`` raises KernelLoadError.
+    """
+    with _lock:
+        if lib.name in _loaded:
+            return _loaded[lib.name]
+    tier = requested_tier()
+    if tier == "reference":
+        return LibraryStatus(lib.name, "reference", "forced by APEX_OPS=reference")
     import torch
 
     from apex.core import build
 
-    root = build.package_dir(lib)
-    info = build.build_info(lib, root, "jit")
-    key_src = json.dumps(
-        {**info, "flags": [build.cxx_flags(lib), build.nvcc_flags(lib)], "tier": "jit"}, sort_keys=True
-    )
-    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    tag = f"torch{torch.__version__}-cu{torch.version.cuda}-py{info['python']}"
-    return cache_root() / "jit" / f"{lib.name}-{tag}-{key}", info
+    if torch.version.cuda is None and tier == "auto":
+        return LibraryStatus(lib.name, "reference", f"PyTorch {torch.__version__} is a CPU build")
+    attempts: list[str] = []
+    for name in ("aot", "jit"):
+        if tier not in ("auto", name):
+            continue
+        try:
+            if name == "aot":
+                so_path, info = _aot_build(lib)
+                status = LibraryStatus(lib.name, "aot", "ahead-of-time build matches this torch/CUDA/Python")
+                status.path, status.build_info = str(so_path), info
+            else:
+                status = _jit_plan(lib)
+            status.attempts = attempts
+            return status
+        except (build.BuildUnavailable, OSError, RuntimeError, ValueError) as exc:
+            attempts.append(f"{name}: {_last_line(exc)}")
+            if tier == name:
+                return LibraryStatus(lib.name, "unavailable", f"APEX_OPS={tier} but {attempts[-1]}", attempts=attempts)
+    return LibraryStatus(lib.name, "reference", "; ".join(attempts), attempts=attempts)
+
+
+_announced: set[str] = set()
 
 
 def jit_build(lib: KernelLibrary, verbose: bool = False) -> LibraryStatus:
-    """Compile the shipped sources into the JIT cache (or reuse the cached build) and load it."""
+    """Compile the shipped sources into the JIT cache (or reuse the cached build) and load it.
+
+    A compile says so on stderr when it starts and ends (once per library and process): the
+    first CUDA call otherwise seems to hang for a minute.
+    """
     from torch.utils import cpp_extension
 
     from apex.core import build
 
     build.check_toolchain()
     root = build.package_dir(lib)
-    build_dir, info = jit_build_dir(lib)
+    build_dir, info = build.jit_dir(lib, root)
+    cached = any(build_dir.glob("*.so"))
     build_dir.mkdir(parents=True, exist_ok=True)
-    build.max_jobs()
+    announce = not cached and lib.name not in _announced
+    if announce:
+        _announced.add(lib.name)
+        print(
+            f"apex: compiling the {lib.package} kernels ({lib.name}) for this machine, "
+            f"{JIT_BUILD_TIME}; cached in {build_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+    start = time.monotonic()
     cpp_extension.load(
         name=f"{lib.name}_jit",
         sources=[str(p) for p in build.source_files(lib, root)],
@@ -141,42 +169,62 @@ def jit_build(lib: KernelLibrary, verbose: bool = False) -> LibraryStatus:
         verbose=verbose,
     )
     (build_dir / ("_C" + build.BUILD_INFO_SUFFIX)).write_text(json.dumps(info, indent=2) + "\n")
-    return LibraryStatus(lib.name, "jit", f"compiled from the shipped sources into {build_dir}", str(build_dir), info)
+    if announce:
+        print(f"apex: {lib.name} compiled in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    how = "reused the cached build in" if cached else "compiled from the shipped sources into"
+    return LibraryStatus(lib.name, "jit", f"{how} {build_dir}", str(build_dir), info)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _carry_out(lib: KernelLibrary, status: LibraryStatus, verbose: bool) -> LibraryStatus:
+    if status.tier == "aot":
+        import torch
+
+        torch.ops.load_library(status.path)
+        return status
+    built = jit_build(lib, verbose)
+    built.attempts = status.attempts
+    return built
 
 
 def load(lib: KernelLibrary, *, verbose: bool = False) -> LibraryStatus:
-    """Load ``lib``'s kernels once per process by the tier APEX_OPS asks for; return its status."""
+    """Carry out ``lib``'s :func:`plan` once per process; return what was loaded.
+
+    Under ``APEX_OPS=auto`` an AOT build that fails to load falls through to JIT, and a JIT
+    build that fails to the reference.
+    """
+    from apex.core import build
+
     with _lock:
-        cached = _status.get(lib.name)
-        if cached is not None and cached.tier != "not loaded":
-            return cached
-        tier = requested_tier()
-        attempts: list[str] = []
-        result: LibraryStatus | None = None
-        if tier == "reference":
-            result = LibraryStatus(lib.name, "reference", "forced by APEX_OPS=reference")
-        else:
-            import torch
-
-            from apex.core import build
-
-            if torch.version.cuda is None and tier == "auto":
-                result = LibraryStatus(lib.name, "reference", f"PyTorch {torch.__version__} is a CPU build")
-            for name, attempt in (("aot", _try_aot), ("jit", lambda lib: jit_build(lib, verbose))):
-                if result is not None or tier not in ("auto", name):
-                    continue
-                try:
-                    result = attempt(lib)
-                except (build.BuildUnavailable, OSError, RuntimeError, ImportError) as exc:
-                    message = str(exc).strip().splitlines()
-                    attempts.append(f"{name}: {message[-1] if message else type(exc).__name__}")
-                    if tier == name:
-                        raise KernelLoadError(f"{lib.name}: APEX_OPS={tier} but {attempts[-1]}") from exc
-            if result is None:
-                result = LibraryStatus(lib.name, "reference", "; ".join(attempts))
-        result.attempts = attempts
-        _status[lib.name] = result
-        return result
+        if lib.name in _loaded:
+            return _loaded[lib.name]
+        status = plan(lib)
+        if status.tier == "unavailable":
+            raise KernelLoadError(f"{lib.name}: {status.reason}")
+        while status.has_kernels:
+            try:
+                status = _carry_out(lib, status, verbose)
+                break
+            except (build.BuildUnavailable, OSError, RuntimeError, ImportError) as exc:
+                reason = f"{status.tier}: {_last_line(exc)}"
+                if requested_tier() != "auto":
+                    raise KernelLoadError(f"{lib.name}: APEX_OPS={status.tier} but {reason}") from exc
+                attempts = [*status.attempts, reason]
+                status = LibraryStatus(lib.name, "reference", "; ".join(attempts), attempts=attempts)
+                if reason.startswith("aot"):
+                    try:
+                        status = _jit_plan(lib)
+                        status.attempts = attempts
+                    except (build.BuildUnavailable, OSError, RuntimeError) as jit_exc:
+                        attempts.append(f"jit: {_last_line(jit_exc)}")
+                        status.reason = "; ".join(attempts)
+        status.loaded = True
+        _loaded[lib.name] = status
+        return status
 
 
 def kernels_for_cuda(lib: KernelLibrary) -> bool:
@@ -201,46 +249,11 @@ def kernels_for_cuda(lib: KernelLibrary) -> bool:
 
 
 def reset(name: str | None = None) -> None:
-    """Forget cached statuses (tests); loaded shared libraries stay loaded."""
+    """Forget what was loaded (tests); loaded shared libraries stay loaded."""
     with _lock:
         if name is None:
-            _status.clear()
+            _loaded.clear()
             _warned.clear()
         else:
-            _status.pop(name, None)
+            _loaded.pop(name, None)
             _warned.discard(name)
-
-
-def probe(lib: KernelLibrary) -> LibraryStatus:
-    """What :func:`load` would do, without compiling or loading anything (for ``apex report``)."""
-    with _lock:
-        if lib.name in _status:
-            return _status[lib.name]
-    tier = requested_tier()
-    if tier == "reference":
-        return LibraryStatus(lib.name, "reference", "forced by APEX_OPS=reference")
-    import torch
-
-    from apex.core import build
-
-    if torch.version.cuda is None:
-        return LibraryStatus(lib.name, "reference", f"PyTorch {torch.__version__} is a CPU build")
-    attempts = []
-    if tier in ("auto", "aot"):
-        try:
-            so_path, info = _loadable_aot(lib)
-            return LibraryStatus(lib.name, "aot", "ahead-of-time build matches", str(so_path), info)
-        except (build.BuildUnavailable, OSError, ValueError) as exc:
-            attempts.append(f"aot: {exc}")
-    if tier in ("auto", "jit"):
-        try:
-            build.check_toolchain()
-            build_dir, info = jit_build_dir(lib)
-            if any(build_dir.glob("*.so")):
-                return LibraryStatus(lib.name, "jit", f"cached build in {build_dir}", str(build_dir), info, attempts)
-            return LibraryStatus(
-                lib.name, "jit", "will compile on first CUDA use (or now: `apex build`)", None, info, attempts
-            )
-        except (build.BuildUnavailable, OSError, RuntimeError) as exc:
-            attempts.append(f"jit: {exc}")
-    return LibraryStatus(lib.name, "reference", "; ".join(attempts), attempts=attempts)

@@ -116,3 +116,11 @@ def import_ops(record: PluginRecord) -> None:
     """Import the plugin's public module, which registers its ops, before its kernels load."""
     if record.plugin and record.plugin.provides:
         importlib.import_module(record.plugin.provides[0])
+
+
+def kernel_status(record: PluginRecord):
+    """The loader's plan (or, once loaded, state) of the record's kernels; None for a pure-Python package."""
+    from apex.core import loader
+
+    lib = record.plugin.kernel_library if record.plugin else None
+    return None if lib is None else loader.plan(lib)
