@@ -72,18 +72,24 @@ def run_module(module, case, slices, device, dtype):
         "out": from_layout(out.detach(), layout),
         "grad_input": from_layout(x.grad, layout),
         "eval_out": from_layout(eval_out, layout),
+        **parameter_results(module),
     }
     if zz is not None:
         result["grad_z"] = from_layout(zz.grad, layout)
-    if module.affine:
-        result["grad_weight"] = module.weight.grad
-        result["grad_bias"] = module.bias.grad
-    if module.track_running_stats:
-        result["running_mean"] = module.running_mean
-        result["running_var"] = module.running_var
-        result["num_batches_tracked"] = module.num_batches_tracked
     # numpy arrays pickle by value (tensors would travel as shared-memory handles).
     return {k: v.detach().float().cpu().numpy() for k, v in result.items()}
+
+
+def parameter_results(bn):
+    """The weight gradients and running statistics of ``bn``, a SyncBatchNorm or a torch batch norm."""
+    result = {}
+    if bn.affine:
+        result.update(grad_weight=bn.weight.grad, grad_bias=bn.bias.grad)
+    if bn.track_running_stats:
+        result.update(
+            running_mean=bn.running_mean, running_var=bn.running_var, num_batches_tracked=bn.num_batches_tracked
+        )
+    return result
 
 
 def slices_of(case):
@@ -156,16 +162,9 @@ def reference(case, rows, relu_mask=None):
     bn.eval()
     with torch.no_grad():
         eval_out = apply(x2, z)
-    result = {"out": out.detach(), "grad_input": x.grad, "eval_out": eval_out}
+    result = {"out": out.detach(), "grad_input": x.grad, "eval_out": eval_out, **parameter_results(bn)}
     if z is not None:
         result["grad_z"] = z.grad
-    if bn.affine:
-        result["grad_weight"] = bn.weight.grad
-        result["grad_bias"] = bn.bias.grad
-    if bn.track_running_stats:
-        result["running_mean"] = bn.running_mean
-        result["running_var"] = bn.running_var
-        result["num_batches_tracked"] = bn.num_batches_tracked
     return result
 
 

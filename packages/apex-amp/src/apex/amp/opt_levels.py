@@ -1,10 +1,12 @@
-"""The options amp runs with (:class:`Properties`) and the four presets O0-O3.
+"""The options amp runs with (:class:`Properties`) and the four presets O0-O3, as a table.
 
 A preset fills every option; ``amp.initialize``'s keyword arguments then override single options,
 and each assignment is checked against the level in force, as upstream Apex does.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -103,82 +105,68 @@ class Properties:
         return None
 
 
-class O3:
-    brief = "O3:  Pure FP16 training."
-    more = (
-        "Calls .half() on your model, converting the entire model (batchnorm included) to FP16,\n"
-        "with a static loss scale of 1.0. A speed baseline: O2 is usually as fast and more stable.\n"
-    )
+class OptLevel(NamedTuple):
+    """One preset: how ``amp.initialize`` describes it, and the value it gives every option."""
+
+    brief: str
+    more: str
+    options: dict
 
     def __call__(self, properties: Properties) -> Properties:
-        properties.enabled = True
-        properties.opt_level = "O3"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = False
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        properties.autocast_dtype = None
+        # opt_level is set before the rest: each later assignment is checked against it.
+        for name, value in self.options.items():
+            setattr(properties, name, value)
         return properties
 
 
-class O2:
-    brief = "O2:  FP16 training with FP32 batchnorm and FP32 master weights."
-    more = (
-        "Casts the model to FP16 except batchnorm layers, which stay FP32; casts floating-point inputs\n"
-        "to FP16 and outputs back to FP32; keeps FP32 master weights that the optimizer updates and\n"
-        "copies into the model after each step; scales the loss dynamically.\n"
-    )
+_COLUMNS = (
+    "cast_model_type",
+    "patch_torch_functions",
+    "keep_batchnorm_fp32",
+    "master_weights",
+    "loss_scale",
+    "autocast_dtype",
+)
 
-    def __call__(self, properties: Properties) -> Properties:
-        properties.enabled = True
-        properties.opt_level = "O2"
-        properties.cast_model_type = torch.float16
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = True
-        properties.master_weights = True
-        properties.loss_scale = "dynamic"
-        properties.autocast_dtype = None
-        return properties
+# fmt: off
+_PRESETS = {
+    #      cast_model_type  patch_torch_functions  keep_batchnorm_fp32  master_weights  loss_scale  autocast_dtype
+    "O0": (torch.float32,   False,                 None,                False,          1.0,        None),
+    "O1": (None,            True,                  None,                None,           "dynamic",  torch.float16),
+    "O2": (torch.float16,   False,                 True,                True,           "dynamic",  None),
+    "O3": (torch.float16,   False,                 False,               False,          1.0,        None),
+}
+# fmt: on
 
-
-class O1:
-    brief = "O1:  Insert automatic casts around PyTorch functions and Tensor methods."
-    more = (
+_DESCRIPTIONS = {
+    "O0": (
+        "Pure FP32 training.",
+        "The model and its inputs are FP32 and the loss is not scaled: an accuracy baseline\n"
+        "to compare the other levels against.\n",
+    ),
+    "O1": (
+        "Insert automatic casts around PyTorch functions and Tensor methods.",
         "The model's weights stay FP32. Each model's forward runs under torch.autocast, which runs\n"
         "tensor-core-friendly operations (matmul, convolution) in FP16 and precision-sensitive ones\n"
-        "(softmax, norms, losses) in FP32; outputs come back FP32. The loss is scaled dynamically.\n"
-    )
-
-    def __call__(self, properties: Properties) -> Properties:
-        properties.enabled = True
-        properties.opt_level = "O1"
-        properties.cast_model_type = None
-        properties.patch_torch_functions = True
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = None
-        properties.loss_scale = "dynamic"
-        properties.autocast_dtype = torch.float16
-        return properties
-
-
-class O0:
-    brief = "O0:  Pure FP32 training."
-    more = (
-        "The model and its inputs are FP32 and the loss is not scaled: an accuracy baseline\n"
-        "to compare the other levels against.\n"
-    )
-
-    def __call__(self, properties: Properties) -> Properties:
-        properties.enabled = True
-        properties.opt_level = "O0"
-        properties.cast_model_type = torch.float32
-        properties.patch_torch_functions = False
-        properties.keep_batchnorm_fp32 = None
-        properties.master_weights = False
-        properties.loss_scale = 1.0
-        properties.autocast_dtype = None
-        return properties
+        "(softmax, norms, losses) in FP32; outputs come back FP32. The loss is scaled dynamically.\n",
+    ),
+    "O2": (
+        "FP16 training with FP32 batchnorm and FP32 master weights.",
+        "Casts the model to FP16 except batchnorm layers, which stay FP32; casts floating-point inputs\n"
+        "to FP16 and outputs back to FP32; keeps FP32 master weights that the optimizer updates and\n"
+        "copies into the model after each step; scales the loss dynamically.\n",
+    ),
+    "O3": (
+        "Pure FP16 training.",
+        "Calls .half() on your model, converting the entire model (batchnorm included) to FP16,\n"
+        "with a static loss scale of 1.0. A speed baseline: O2 is usually as fast and more stable.\n",
+    ),
+}
 
 
-opt_levels = {"O3": O3(), "O2": O2(), "O1": O1(), "O0": O0()}
+def _preset(level: str, values: tuple) -> OptLevel:
+    summary, more = _DESCRIPTIONS[level]
+    return OptLevel(f"{level}:  {summary}", more, {"enabled": True, "opt_level": level, **dict(zip(_COLUMNS, values))})
+
+
+opt_levels = {level: _preset(level, values) for level, values in _PRESETS.items()}

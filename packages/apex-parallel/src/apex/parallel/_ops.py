@@ -4,7 +4,7 @@ Two layouts: channels-first ops take a contiguous ``(N, C, *spatial)`` input; th
 ops take a contiguous input whose last dimension is the channels (``(N, H, W, C)``, or any
 ``(..., C)``; a 2-D ``(N, C)`` input is both). Per-channel tensors are float32 of shape ``(C,)``;
 weight and bias are float32 or the input's dtype; outputs and gradients of the input have the
-input's dtype. The math is in ``_reference.py``.
+input's dtype. The math is in ``_reference.py``; how an op is written: ``apex.core.library``.
 
 - ``welford_mean_var[_c_last](input) -> (mean, var_biased)``: this rank's statistics;
 - ``welford_parallel(mean, var_biased, count, eps, running_mean, running_var, momentum)
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from apex.core import checks
-from apex.core.library import define
+from apex.core.library import op
 from apex.parallel import _reference
 from apex.parallel._plugin import KERNELS
 
@@ -38,53 +38,58 @@ _DTYPE_NAMES = "float32, float16, bfloat16"
 # checks ----------------------------------------------------------------------------------------
 
 
-def check_input(op: str, input: torch.Tensor, channel_last: bool) -> int:
-    """Checks the input; returns its number of channels."""
+def _check_input(a) -> None:
+    """The input; sets ``a.channel_last`` (the op's name says the layout) and ``a.channels``."""
+    a.channel_last = a.op.endswith("_c_last")
+    input = a.input
     if input.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
+        raise TypeError(f"{a.op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
     if input.dim() < 2:
-        raise ValueError(f"{op}: input must have at least 2 dimensions, got shape {tuple(input.shape)}")
-    checks.dense(op, "input", input, input.device)
-    return input.shape[-1] if channel_last else input.shape[1]
+        raise ValueError(f"{a.op}: input must have at least 2 dimensions, got shape {tuple(input.shape)}")
+    checks.dense(a.op, "input", input, input.device)
+    a.channels = input.shape[-1] if a.channel_last else input.shape[1]
 
 
-def check_like_input(op: str, name: str, t: torch.Tensor, input: torch.Tensor) -> None:
+def _check_like_input(a, name: str) -> None:
+    t, input = getattr(a, name), a.input
     if t.dtype != input.dtype:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype} but input has {input.dtype}")
+        raise TypeError(f"{a.op}: {name} has dtype {t.dtype} but input has {input.dtype}")
     if tuple(t.shape) != tuple(input.shape):
-        raise ValueError(f"{op}: {name} has shape {tuple(t.shape)} but input has {tuple(input.shape)}")
-    checks.dense(op, name, t, input.device)
+        raise ValueError(f"{a.op}: {name} has shape {tuple(t.shape)} but input has {tuple(input.shape)}")
+    checks.dense(a.op, name, t, input.device)
 
 
-def check_channel_stat(op: str, name: str, t: torch.Tensor, channels: int, device: torch.device) -> None:
-    if t.dtype != torch.float32:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
+def _check_per_channel(op: str, name: str, t: torch.Tensor, channels: int, device: torch.device) -> None:
     if tuple(t.shape) != (channels,):
         raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected ({channels},)")
     checks.dense(op, name, t, device)
 
 
-def check_affine(op: str, input_dtype, device, weight, bias, channels: int) -> None:
+def _check_channel_stat(a, name: str) -> None:
+    t = getattr(a, name)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{a.op}: {name} has dtype {t.dtype}; expected torch.float32")
+    _check_per_channel(a.op, name, t, a.channels, a.input.device)
+
+
+def _check_affine(a, bias) -> None:
+    weight, input_dtype = a.weight, a.input.dtype
     if weight is not None:
         if weight.dtype not in (input_dtype, torch.float32):
             allowed = "float32" if input_dtype == torch.float32 else f"{str(input_dtype)[6:]} or float32"
             raise TypeError(
-                f"{op}: weight has dtype {weight.dtype} but the input has {input_dtype}; weight must be {allowed}"
+                f"{a.op}: weight has dtype {weight.dtype} but the input has {input_dtype}; weight must be {allowed}"
             )
-        if tuple(weight.shape) != (channels,):
-            raise ValueError(f"{op}: weight has shape {tuple(weight.shape)}, expected ({channels},)")
-        checks.dense(op, "weight", weight, device)
+        _check_per_channel(a.op, "weight", weight, a.channels, a.input.device)
     if bias is not None:
         if weight is None:
-            raise ValueError(f"{op}: bias given without weight")
+            raise ValueError(f"{a.op}: bias given without weight")
         if bias.dtype != weight.dtype:
-            raise TypeError(f"{op}: bias has dtype {bias.dtype} but weight has {weight.dtype}")
-        if tuple(bias.shape) != (channels,):
-            raise ValueError(f"{op}: bias has shape {tuple(bias.shape)}, expected ({channels},)")
-        checks.dense(op, "bias", bias, device)
+            raise TypeError(f"{a.op}: bias has dtype {bias.dtype} but weight has {weight.dtype}")
+        _check_per_channel(a.op, "bias", bias, a.channels, a.input.device)
 
 
-def check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
+def _check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
     if count.dtype != torch.float32:
         raise TypeError(f"{op}: count has dtype {count.dtype}; expected torch.float32")
     if count.dim() != 1:
@@ -92,16 +97,69 @@ def check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
     checks.placed(op, "count", count, device)
 
 
-def check_stats(op: str, input, mean, invstd, weight, bias, channel_last: bool) -> int:
-    channels = check_input(op, input, channel_last)
-    check_channel_stat(op, "mean", mean, channels, input.device)
-    check_channel_stat(op, "invstd", invstd, channels, input.device)
-    check_affine(op, input.dtype, input.device, weight, bias, channels)
-    return channels
+def _check_stats(a, bias) -> None:
+    """input, mean, invstd, weight and ``bias`` (None for the ops without one)."""
+    _check_input(a)
+    _check_channel_stat(a, "mean")
+    _check_channel_stat(a, "invstd")
+    _check_affine(a, bias)
 
 
-def check_parallel(op: str, mean, var_biased, count, running_mean, running_var) -> int:
-    """Checks welford_parallel's arguments; returns the number of channels."""
+def _check_gradient(a) -> None:
+    """The ops of the backward without a bias: the statistics and ``grad_output``."""
+    _check_stats(a, None)
+    _check_like_input(a, "grad_output")
+
+
+def _check_z(a) -> None:
+    if a.z is not None:
+        _check_like_input(a, "z")
+
+
+def _stat(like: torch.Tensor, channels: int) -> torch.Tensor:
+    return like.new_empty((channels,), dtype=torch.float32)
+
+
+def _empty_f32(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,), dtype=torch.float32)
+
+
+def _like_input(a) -> torch.Tensor:
+    """The fake of every op whose output is shaped like the input."""
+    return torch.empty_like(a.input, memory_format=torch.contiguous_format)
+
+
+def _contiguous(*tensors):
+    return tuple(None if t is None else t.contiguous() for t in tensors)
+
+
+def _in_both_layouts(name: str, signature: str, reference, **helpers):
+    """The op ``name`` and its channels-last twin ``name_c_last``, which share everything but the name."""
+    return tuple(op(KERNELS, f"{n}{signature}", **helpers)(reference) for n in (name, f"{name}_c_last"))
+
+
+# welford_mean_var ------------------------------------------------------------------------------
+
+
+def _welford_mean_var(a):
+    return _contiguous(*_reference.welford_mean_var(a.input, a.channel_last))
+
+
+welford_mean_var, welford_mean_var_c_last = _in_both_layouts(
+    "welford_mean_var",
+    "(Tensor input) -> (Tensor mean, Tensor var_biased)",
+    _welford_mean_var,
+    check=_check_input,
+    fake=lambda a: (_stat(a.input, a.channels), _stat(a.input, a.channels)),
+)
+
+
+# welford_parallel ------------------------------------------------------------------------------
+
+
+def _check_parallel(a) -> None:
+    """Sets ``a.channels``."""
+    op, mean, var_biased, count = a.op, a.mean, a.var_biased, a.count
     for name, t in (("mean", mean), ("var_biased", var_biased)):
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
@@ -114,10 +172,11 @@ def check_parallel(op: str, mean, var_biased, count, running_mean, running_var) 
         checks.placed(op, name, t, device)
         if t.shape[1] > 1 and t.stride(1) != 1:
             raise ValueError(f"{op}: {name} must have unit stride in its last dimension")
-    check_count(op, count, device)
-    ranks, channels = mean.shape
+    _check_count(op, count, device)
+    ranks, a.channels = mean.shape
     if count.shape[0] != ranks:
         raise ValueError(f"{op}: count has {count.shape[0]} elements, expected one per rank ({ranks})")
+    running_mean, running_var = a.running_mean, a.running_var
     if (running_mean is None) != (running_var is None):
         raise ValueError(f"{op}: running_mean and running_var must be given together")
     if running_mean is not None:
@@ -127,206 +186,127 @@ def check_parallel(op: str, mean, var_biased, count, running_mean, running_var) 
             raise TypeError(
                 f"{op}: running_var has dtype {running_var.dtype} but running_mean has {running_mean.dtype}"
             )
-        for name, t in (("running_mean", running_mean), ("running_var", running_var)):
-            if tuple(t.shape) != (channels,):
-                raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected ({channels},)")
-            checks.dense(op, name, t, device)
-    return channels
+        _check_per_channel(op, "running_mean", running_mean, a.channels, device)
+        _check_per_channel(op, "running_var", running_var, a.channels, device)
 
 
-def _empty_f32(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,), dtype=torch.float32)
-
-
-def _stat(like: torch.Tensor, channels: int) -> torch.Tensor:
-    return like.new_empty((channels,), dtype=torch.float32)
-
-
-def _contiguous(*tensors):
-    return tuple(None if t is None else t.contiguous() for t in tensors)
-
-
-# welford_mean_var ------------------------------------------------------------------------------
-
-
-def _define_welford(name: str, channel_last: bool):
-    def reference(input):
-        check_input(name, input, channel_last)
-        return _contiguous(*_reference.welford_mean_var(input, channel_last))
-
-    def fake(input):
-        channels = check_input(name, input, channel_last)
-        return _stat(input, channels), _stat(input, channels)
-
-    return define(KERNELS, f"{name}(Tensor input) -> (Tensor mean, Tensor var_biased)", reference, fake)
-
-
-welford_mean_var = _define_welford("welford_mean_var", channel_last=False)
-welford_mean_var_c_last = _define_welford("welford_mean_var_c_last", channel_last=True)
-
-
-# welford_parallel ------------------------------------------------------------------------------
-
-PARALLEL_SCHEMA = (
+@op(
+    KERNELS,
     "welford_parallel(Tensor mean, Tensor var_biased, Tensor count, float eps, Tensor(a!)? running_mean=None, "
-    "Tensor(b!)? running_var=None, float momentum=0.1) -> (Tensor merged_mean, Tensor invstd)"
+    "Tensor(b!)? running_var=None, float momentum=0.1) -> (Tensor merged_mean, Tensor invstd)",
+    check=_check_parallel,
+    fake=lambda a: (_stat(a.mean, a.channels), _stat(a.mean, a.channels)),
 )
-
-
-def _parallel_reference(mean, var_biased, count, eps, running_mean=None, running_var=None, momentum=0.1):
-    check_parallel("welford_parallel", mean, var_biased, count, running_mean, running_var)
-    return _contiguous(*_reference.welford_parallel(mean, var_biased, count, eps, running_mean, running_var, momentum))
-
-
-def _parallel_fake(mean, var_biased, count, eps, running_mean=None, running_var=None, momentum=0.1):
-    channels = check_parallel("welford_parallel", mean, var_biased, count, running_mean, running_var)
-    return _stat(mean, channels), _stat(mean, channels)
-
-
-welford_parallel = define(KERNELS, PARALLEL_SCHEMA, _parallel_reference, _parallel_fake)
+def welford_parallel(a):
+    merged = _reference.welford_parallel(
+        a.mean, a.var_biased, a.count, a.eps, a.running_mean, a.running_var, a.momentum
+    )
+    return _contiguous(*merged)
 
 
 # batch_norm_forward ----------------------------------------------------------------------------
 
 
-def _forward_reference(input, mean, invstd, weight, bias):
-    check_stats("batch_norm_forward", input, mean, invstd, weight, bias, channel_last=False)
-    return _reference.batch_norm_forward(input, None, mean, invstd, weight, bias, False, False).contiguous()
-
-
-def _forward_fake(input, mean, invstd, weight, bias):
-    check_stats("batch_norm_forward", input, mean, invstd, weight, bias, channel_last=False)
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-batch_norm_forward = define(
+@op(
     KERNELS,
     "batch_norm_forward(Tensor input, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
-    _forward_reference,
-    _forward_fake,
+    check=lambda a: _check_stats(a, a.bias),
+    fake=_like_input,
 )
+def batch_norm_forward(a):
+    return _reference.batch_norm_forward(a.input, None, a.mean, a.invstd, a.weight, a.bias, False, False).contiguous()
 
 
-def _check_forward_c_last(input, z, mean, invstd, weight, bias):
-    op = "batch_norm_forward_c_last"
-    check_stats(op, input, mean, invstd, weight, bias, channel_last=True)
-    if z is not None:
-        check_like_input(op, "z", z, input)
+def _check_forward_c_last(a) -> None:
+    _check_stats(a, a.bias)
+    _check_z(a)
 
 
-def _forward_c_last_reference(input, z, mean, invstd, weight, bias, fuse_relu=False):
-    _check_forward_c_last(input, z, mean, invstd, weight, bias)
-    return _reference.batch_norm_forward(input, z, mean, invstd, weight, bias, fuse_relu, True).contiguous()
-
-
-def _forward_c_last_fake(input, z, mean, invstd, weight, bias, fuse_relu=False):
-    _check_forward_c_last(input, z, mean, invstd, weight, bias)
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-batch_norm_forward_c_last = define(
+@op(
     KERNELS,
     "batch_norm_forward_c_last(Tensor input, Tensor? z, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias, "
     "bool fuse_relu=False) -> Tensor",
-    _forward_c_last_reference,
-    _forward_c_last_fake,
+    check=_check_forward_c_last,
+    fake=_like_input,
 )
+def batch_norm_forward_c_last(a):
+    y = _reference.batch_norm_forward(a.input, a.z, a.mean, a.invstd, a.weight, a.bias, a.fuse_relu, True)
+    return y.contiguous()
 
 
 # reduce_bn -------------------------------------------------------------------------------------
 
 
-def _define_reduce(name: str, channel_last: bool):
-    def check(grad_output, input, mean, invstd, weight):
-        channels = check_stats(name, input, mean, invstd, weight, None, channel_last)
-        check_like_input(name, "grad_output", grad_output, input)
-        return channels
-
-    def reference(grad_output, input, mean, invstd, weight):
-        check(grad_output, input, mean, invstd, weight)
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _reference.reduce_bn(
-            grad_output, input, mean, invstd, weight, channel_last
-        )
-        if grad_weight is None:
-            grad_weight, grad_bias = _empty_f32(input), _empty_f32(input)
-        return _contiguous(sum_dy, sum_dy_xmu, grad_weight, grad_bias)
-
-    def fake(grad_output, input, mean, invstd, weight):
-        channels = check(grad_output, input, mean, invstd, weight)
-        if weight is None:
-            grads = (_empty_f32(input), _empty_f32(input))
-        else:
-            grads = (torch.empty_like(weight), torch.empty_like(weight))
-        return (_stat(input, channels), _stat(input, channels), *grads)
-
-    schema = (
-        f"{name}(Tensor grad_output, Tensor input, Tensor mean, Tensor invstd, Tensor? weight) -> "
-        "(Tensor sum_dy, Tensor sum_dy_xmu, Tensor grad_weight, Tensor grad_bias)"
+def _reduce_bn(a):
+    sum_dy, sum_dy_xmu, grad_weight, grad_bias = _reference.reduce_bn(
+        a.grad_output, a.input, a.mean, a.invstd, a.weight, a.channel_last
     )
-    return define(KERNELS, schema, reference, fake)
+    if grad_weight is None:
+        grad_weight, grad_bias = _empty_f32(a.input), _empty_f32(a.input)
+    return _contiguous(sum_dy, sum_dy_xmu, grad_weight, grad_bias)
 
 
-reduce_bn = _define_reduce("reduce_bn", channel_last=False)
-reduce_bn_c_last = _define_reduce("reduce_bn_c_last", channel_last=True)
+def _reduce_bn_fake(a):
+    if a.weight is None:
+        grads = (_empty_f32(a.input), _empty_f32(a.input))
+    else:
+        grads = (torch.empty_like(a.weight), torch.empty_like(a.weight))
+    return (_stat(a.input, a.channels), _stat(a.input, a.channels), *grads)
+
+
+reduce_bn, reduce_bn_c_last = _in_both_layouts(
+    "reduce_bn",
+    "(Tensor grad_output, Tensor input, Tensor mean, Tensor invstd, Tensor? weight) -> "
+    "(Tensor sum_dy, Tensor sum_dy_xmu, Tensor grad_weight, Tensor grad_bias)",
+    _reduce_bn,
+    check=_check_gradient,
+    fake=_reduce_bn_fake,
+)
 
 
 # batch_norm_backward ---------------------------------------------------------------------------
 
 
-def _define_backward(name: str, channel_last: bool):
-    def check(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-        channels = check_stats(name, input, mean, invstd, weight, None, channel_last)
-        check_like_input(name, "grad_output", grad_output, input)
-        check_channel_stat(name, "sum_dy", sum_dy, channels, input.device)
-        check_channel_stat(name, "sum_dy_xmu", sum_dy_xmu, channels, input.device)
-        check_count(name, count, input.device)
+def _check_backward(a) -> None:
+    _check_gradient(a)
+    _check_channel_stat(a, "sum_dy")
+    _check_channel_stat(a, "sum_dy_xmu")
+    _check_count(a.op, a.count, a.input.device)
 
-    def reference(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-        check(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-        return _reference.batch_norm_backward(
-            grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count, channel_last
-        ).contiguous()
 
-    def fake(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
-        check(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-        return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-    schema = (
-        f"{name}(Tensor grad_output, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, Tensor sum_dy, "
-        "Tensor sum_dy_xmu, Tensor count) -> Tensor"
+def _batch_norm_backward(a):
+    grad_input = _reference.batch_norm_backward(
+        a.grad_output, a.input, a.mean, a.invstd, a.weight, a.sum_dy, a.sum_dy_xmu, a.count, a.channel_last
     )
-    return define(KERNELS, schema, reference, fake)
+    return grad_input.contiguous()
 
 
-batch_norm_backward = _define_backward("batch_norm_backward", channel_last=False)
-batch_norm_backward_c_last = _define_backward("batch_norm_backward_c_last", channel_last=True)
+batch_norm_backward, batch_norm_backward_c_last = _in_both_layouts(
+    "batch_norm_backward",
+    "(Tensor grad_output, Tensor input, Tensor mean, Tensor invstd, Tensor? weight, Tensor sum_dy, "
+    "Tensor sum_dy_xmu, Tensor count) -> Tensor",
+    _batch_norm_backward,
+    check=_check_backward,
+    fake=_like_input,
+)
 
 
 # relu_backward_c_last --------------------------------------------------------------------------
 
 
-def _check_relu_backward(grad_output, input, z, mean, invstd, weight, bias):
-    op = "relu_backward_c_last"
-    check_stats(op, input, mean, invstd, weight, bias, channel_last=True)
-    check_like_input(op, "grad_output", grad_output, input)
-    if z is not None:
-        check_like_input(op, "z", z, input)
+def _check_relu_backward(a) -> None:
+    _check_stats(a, a.bias)
+    _check_like_input(a, "grad_output")
+    _check_z(a)
 
 
-def _relu_backward_reference(grad_output, input, z, mean, invstd, weight, bias):
-    _check_relu_backward(grad_output, input, z, mean, invstd, weight, bias)
-    return _reference.relu_backward(grad_output, input, z, mean, invstd, weight, bias, True).contiguous()
-
-
-def _relu_backward_fake(grad_output, input, z, mean, invstd, weight, bias):
-    _check_relu_backward(grad_output, input, z, mean, invstd, weight, bias)
-    return torch.empty_like(input, memory_format=torch.contiguous_format)
-
-
-relu_backward_c_last = define(
+@op(
     KERNELS,
     "relu_backward_c_last(Tensor grad_output, Tensor input, Tensor? z, Tensor mean, Tensor invstd, Tensor? weight, "
     "Tensor? bias) -> Tensor",
-    _relu_backward_reference,
-    _relu_backward_fake,
+    check=_check_relu_backward,
+    fake=_like_input,
 )
+def relu_backward_c_last(a):
+    masked = _reference.relu_backward(a.grad_output, a.input, a.z, a.mean, a.invstd, a.weight, a.bias, True)
+    return masked.contiguous()
