@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import math
 import statistics
 import sys
@@ -32,7 +31,7 @@ from torch import nn
 
 from apex import amp
 from apex.amp._amp_state import _amp_state
-from apex.core.benchmarking import markdown_table, require_kernels, time_ms
+from apex.core.benchmarking import markdown_table, report, require_cuda, require_kernels, time_ms
 
 LR, BETAS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 0.1
 
@@ -159,7 +158,6 @@ def measure_all(makers: dict, samples: int, steps_per_sample: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    assert torch.cuda.is_available(), "bench_amp.py needs a CUDA GPU (torch.cuda.is_available() is False)"
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
@@ -168,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.02, help="O2 passes if ms <= native ms * (1 + this)")
     parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_amp.md")
     args = parser.parse_args(argv)
+    if not require_cuda("bench_amp"):
+        return 1
     require_kernels("core")
 
     torch.manual_seed(0)
@@ -212,23 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             ok = ms <= native_ms * (1 + args.tolerance)
             verdicts.append(ok)
             print(f"{'PASS' if ok else 'FAIL'}: {name} {ms:.2f} ms vs native {dname} {native_ms:.2f} ms")
-    header = [
-        "# bench_amp",
-        "",
-        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"{datetime.date.today().isoformat()}",
-        f"- model: GPT, {n_params / 1e6:.1f}M parameters; batch {args.batch} x {args.seq} tokens; "
+    notes = [
+        f"model: GPT, {n_params / 1e6:.1f}M parameters; batch {args.batch} x {args.seq} tokens; "
         f"median of {args.samples} samples of {args.steps_per_sample} steps",
-        "- variants timed in turns (one sample of each per round); speedup = native ms / this variant's ms "
+        "variants timed in turns (one sample of each per round); speedup = native ms / this variant's ms "
         "(same dtype); peak = GiB allocated at the peak of its first steps, beyond what was allocated before",
-        "",
     ]
     table = markdown_table(["variant", "ms/step", "tokens/s", "speedup", "peak GiB", "first loss", "optimizer"], rows)
-    text = "\n".join([*header, *table])
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_amp.md").write_text(text + "\n")
+    report("bench_amp", table, out=args.out, notes=notes)
     return 0 if verdicts and all(verdicts) else 1
 
 

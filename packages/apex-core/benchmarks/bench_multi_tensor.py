@@ -16,7 +16,6 @@ therefore shows where it exceeds the GPU time (the small-tensor cases).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import sys
 from dataclasses import dataclass
@@ -24,7 +23,17 @@ from pathlib import Path
 
 import torch
 
-from apex.core.benchmarking import copies_for_l2, copy_bandwidth_gbps, markdown_table, nbytes, require_kernels, time_ms
+from apex.core.benchmarking import (
+    copies_for_l2,
+    copy_bandwidth_gbps,
+    gb_per_s,
+    markdown_table,
+    nbytes,
+    report,
+    require_cuda,
+    require_kernels,
+    time_ms,
+)
 
 CHUNK_SIZE = 65536
 
@@ -41,7 +50,7 @@ class Row:
     bytes_moved: int
 
     def cells(self, copy_gbps: float) -> list[str]:
-        gbps = self.bytes_moved / (self.ours_ms * 1e-3) / 1e9
+        gbps = gb_per_s(self.bytes_moved, self.ours_ms)
         return [
             self.case,
             self.dtype,
@@ -186,11 +195,6 @@ def bench_workload(name: str, shapes, dtype, samples: int, check: bool) -> list[
     return rows
 
 
-def markdown(rows: list[Row], copy_gbps: float, header_lines: list[str]) -> str:
-    table = markdown_table([*HEADER, "torch op"], [[*row.cells(copy_gbps), f"`{row.torch_op}`"] for row in rows])
-    return "\n".join([*header_lines, "", *table]) + "\n"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_multi_tensor.md")
@@ -198,8 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="GPT set in fp32 only, fewer samples")
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with torch first")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_multi_tensor: needs a CUDA device", file=sys.stderr)
+    if not require_cuda("bench_multi_tensor"):
         return 1
     require_kernels("core")
     torch.manual_seed(0)
@@ -216,21 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_workload(name, shapes, dtype, samples, check)
         torch.cuda.empty_cache()
 
-    device = torch.cuda.get_device_name()
-    header = [
-        "# bench_multi_tensor",
-        "",
-        f"- device: {device}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s",
-        f"- chunk_size {CHUNK_SIZE}; speedup = torch ms / ours ms; GB/s counts bytes each op must read and write",
-    ]
-    table = markdown(rows, copy_gbps, header)
-    print(table)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_multi_tensor.md").write_text(table)
+    table = markdown_table([*HEADER, "torch op"], [[*row.cells(copy_gbps), f"`{row.torch_op}`"] for row in rows])
+    notes = [f"chunk_size {CHUNK_SIZE}; speedup = torch ms / ours ms; GB/s counts bytes each op must read and write"]
+    report("bench_multi_tensor", table, out=args.out, copy_gbps=copy_gbps, notes=notes)
     return 0
 
 

@@ -24,7 +24,6 @@ measured in the same run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 from collections.abc import Callable
@@ -34,7 +33,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from apex.core.benchmarking import copies_for_l2, copy_bandwidth_gbps, markdown_table, time_ms
+from apex.core.benchmarking import (
+    copies_for_l2,
+    copy_bandwidth_gbps,
+    gb_per_s,
+    markdown_table,
+    report,
+    require_cuda,
+    require_kernels,
+    time_ms,
+    verdict,
+)
 
 LARGE_SHAPES = [(32768, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
 SMALL_SHAPES = [(1024, 1024), (128, 4096)]
@@ -45,12 +54,8 @@ BARS = {"speedup": 1.5, "copy": 0.75, "forward": 1.0}
 
 
 def load_kernels() -> None:
-    import apex.normalization._ops  # noqa: F401  (defines the op schemas)
-    from apex.core import loader
-    from apex.normalization._plugin import KERNELS
-
-    status = loader.load(KERNELS)
-    assert status.has_kernels, f"apex_normalization kernels not loaded: {status.reason}"
+    """Fail unless apex-normalization's CUDA kernels are loaded (profile_norms.py calls it too)."""
+    require_kernels("normalization")
 
 
 def graph_ms(calls: list[Callable[[], object]], samples: int) -> float:
@@ -144,7 +149,7 @@ class Row:
         return (self.rows, self.hidden) in LARGE_SHAPES
 
     def gbps(self) -> float:
-        return BYTES_PER_ELEMENT[self.mode] * self.rows * self.hidden / (self.ours_ms * 1e-3) / 1e9
+        return gb_per_s(BYTES_PER_ELEMENT[self.mode] * self.rows * self.hidden, self.ours_ms)
 
     def cells(self, copy_gbps: float) -> list[str]:
         return [
@@ -219,7 +224,7 @@ def verdicts(rows: list[Row], copy_gbps: float) -> list[str]:
     lines = []
 
     def bar(name: str, value: float, needed: float) -> None:
-        lines.append(f"{'PASS' if value >= needed else 'FAIL'}: {name} (measured {value:.2f}, bar {needed:.2f})")
+        lines.append(verdict(name, value, needed))
 
     for r in rows:
         shape = f"{r.norm} {r.rows}x{r.hidden}"
@@ -259,8 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated ROWSxHIDDEN (tuning runs); default: the bars' shapes",
     )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_norms: needs a CUDA device", file=sys.stderr)
+    if not require_cuda("bench_norms"):
         return 1
     load_kernels()
     torch.manual_seed(0)
@@ -270,24 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     for norm in args.norms.split(","):
         for r, h in args.shapes:
             rows += bench(norm, r, h, args.samples, args.quick)
-    header = [
-        "# bench_norms",
-        "",
-        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s",
-        "- bfloat16 input and parameters, eps 1e-5; layer norm with weight and bias, RMS norm with weight",
-        "- ms: device time per call from CUDA-graph replays; eager ms: back-to-back Python launches (host included)",
-        "- bytes per element: forward 4 (read x, write y), forward+backward 10 (also read x, dy, write dx)",
-        "",
+    notes = [
+        "bfloat16 input and parameters, eps 1e-5; layer norm with weight and bias, RMS norm with weight",
+        "ms: device time per call from CUDA-graph replays; eager ms: back-to-back Python launches (host included)",
+        "bytes per element: forward 4 (read x, write y), forward+backward 10 (also read x, dy, write dx)",
     ]
     table = markdown_table(HEADER, [r.cells(copy_gbps) for r in rows])
-    text = "\n".join([*header, *table, "", *verdicts(rows, copy_gbps)]) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_norms.md").write_text(text)
+    report("bench_norms", [*table, "", *verdicts(rows, copy_gbps)], out=args.out, copy_gbps=copy_gbps, notes=notes)
     return 0
 
 

@@ -18,7 +18,6 @@ small model). The small model cycles through enough copies of its data to outgro
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import sys
 from collections.abc import Callable
@@ -27,7 +26,17 @@ from pathlib import Path
 
 import torch
 
-from apex.core.benchmarking import copies_for_l2, copy_bandwidth_gbps, markdown_table, require_kernels, time_ms
+from apex.core.benchmarking import (
+    copies_for_l2,
+    copy_bandwidth_gbps,
+    gb_per_s,
+    markdown_table,
+    report,
+    require_cuda,
+    require_kernels,
+    time_ms,
+    verdict,
+)
 
 CHUNK_SIZE = 65536
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -67,7 +76,7 @@ class Row:
         return BYTES_PER_PARAM[self.case.split(": ", 1)[1]] * self.n_params
 
     def gbps(self) -> float:
-        return self.bytes_moved / (self.ours_ms * 1e-3) / 1e9
+        return gb_per_s(self.bytes_moved, self.ours_ms)
 
     def cells(self, copy_gbps: float) -> list[str]:
         speedup = f"{self.torch_ms / self.ours_ms:.2f}x" if self.torch_ms else "-"
@@ -127,26 +136,18 @@ class Model:
         self.step = 0
         self.n_params = sum(p.numel() for p in self.params)
 
+    def adam_lists(self) -> tuple[list[torch.Tensor], ...]:
+        """The tensor lists of fused_adam and fused_lamb: params, grads, exp_avgs, exp_avg_sqs, master_params."""
+        return self.params, self.grads, self.exp_avgs, self.exp_avg_sqs, self.master
+
 
 def ours_adam(model: Model, chunk_size: int) -> Callable[[], None]:
+    lists = model.adam_lists()
+
     def step():
         model.step += 1
-        torch.ops.apex_optimizers.fused_adam(
-            chunk_size,
-            model.params,
-            model.grads,
-            model.exp_avgs,
-            model.exp_avg_sqs,
-            model.master,
-            LR,
-            model.step,
-            BETAS[0],
-            BETAS[1],
-            EPS,
-            WEIGHT_DECAY,
-            True,
-            True,
-        )
+        # ..., lr, step, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction
+        torch.ops.apex_optimizers.fused_adam(chunk_size, *lists, LR, model.step, *BETAS, EPS, WEIGHT_DECAY, True, True)
 
     return step
 
@@ -155,6 +156,7 @@ def ours_sgd(model: Model, chunk_size: int) -> Callable[[], None]:
     buffers = model.exp_avgs
 
     def step():
+        # ..., lr, weight_decay, momentum, dampening, nesterov, first_run, wd_after_momentum
         torch.ops.apex_optimizers.fused_sgd(
             chunk_size,
             model.params,
@@ -184,28 +186,15 @@ def ours_adagrad(model: Model, chunk_size: int) -> Callable[[], None]:
 
 def ours_lamb(model: Model, chunk_size: int) -> Callable[[], None]:
     grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in model.grads]))
+    lists = model.adam_lists()
+    # adam_w_mode, bias_correction, grad_averaging, max_grad_norm, use_nvlamb
+    options = (True, True, True, 1.0, False)
 
     def step():
         model.step += 1
+        # ..., global_grad_norm, lr, step, beta1, beta2, eps, weight_decay, options
         torch.ops.apex_optimizers.fused_lamb(
-            chunk_size,
-            model.params,
-            model.grads,
-            model.exp_avgs,
-            model.exp_avg_sqs,
-            model.master,
-            grad_norm.reshape(1),
-            LR,
-            model.step,
-            BETAS[0],
-            BETAS[1],
-            1e-6,
-            WEIGHT_DECAY,
-            True,
-            True,
-            True,
-            1.0,
-            False,
+            chunk_size, *lists, grad_norm.reshape(1), LR, model.step, *BETAS, 1e-6, WEIGHT_DECAY, *options
         )
 
     return step
@@ -231,6 +220,14 @@ def torch_adam(model: Model) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(masters, LR, BETAS, EPS, WEIGHT_DECAY, fused=True)
     params = [p.detach() for p in model.params]
     return torch_step(optimizer, lambda: torch._foreach_copy_(params, [m.detach() for m in masters]))
+
+
+def torch_sgd(model: Model) -> Callable[[], None]:
+    return torch_step(torch.optim.SGD(model.params, LR, momentum=0.9, weight_decay=WEIGHT_DECAY, fused=True))
+
+
+def torch_adagrad(model: Model) -> Callable[[], None]:
+    return torch_step(native_adagrad(model.params))
 
 
 def adagrad_fused_on_cuda() -> bool:
@@ -305,10 +302,6 @@ def bench(
     return row
 
 
-def markdown(rows: list[Row], copy_gbps: float, header_lines: list[str]) -> str:
-    return "\n".join([*header_lines, "", *markdown_table(HEADER, [row.cells(copy_gbps) for row in rows])]) + "\n"
-
-
 def verdicts(rows: dict[str, Row], copy_gbps: float) -> list[str]:
     def speedup(key):
         return rows[key].torch_ms / rows[key].ours_ms
@@ -325,10 +318,7 @@ def verdicts(rows: dict[str, Row], copy_gbps: float) -> list[str]:
         ),
         ("FusedLAMB >= 75% of copy bandwidth (40 B/param) on 354M fp32", lamb.gbps() / copy_gbps, 0.75),
     ]
-    lines = [
-        f"{'PASS' if value >= bar else 'FAIL'}: {name} (measured {value:.2f}, bar {bar:.2f})"
-        for name, value, bar in bars
-    ]
+    lines = [verdict(name, value, bar) for name, value, bar in bars]
     lines.append(
         f"info: fused_lamb takes {lamb.ours_ms / rows['gpt-354M: adam fp32'].ours_ms:.2f}x "
         "the time of fused_adam on 354M fp32"
@@ -341,7 +331,7 @@ def chunk_sweep(samples: int, sizes: list[int]) -> list[str]:
     lines = ["", "fused_adam fp32 354M by chunk_size:"]
     for size in sizes:
         ms = time_ms([ours_adam(model, size)], samples)
-        gbps = BYTES_PER_PARAM["adam fp32"] * model.n_params / (ms * 1e-3) / 1e9
+        gbps = gb_per_s(BYTES_PER_PARAM["adam fp32"] * model.n_params, ms)
         lines.append(f"  chunk_size {size:>8}: {ms:.3f} ms, {gbps:.0f} GB/s")
     del model
     torch.cuda.empty_cache()
@@ -357,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-sweep", type=str, default="", help="comma-separated chunk sizes to also time fused_adam fp32 354M with"
     )
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_optimizers: needs a CUDA device", file=sys.stderr)
+    if not require_cuda("bench_optimizers"):
         return 1
     require_kernels("optimizers")
     global ADAGRAD_FUSED
@@ -376,60 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     for case, shapes, dtype, master, ours, native in [
         ("gpt-354M: adam fp32", gpt, torch.float32, False, ours_adam, torch_adam),
         ("gpt-354M: adam bf16+master", gpt, torch.bfloat16, True, ours_adam, torch_adam),
-        (
-            "gpt-354M: sgd fp32",
-            gpt,
-            torch.float32,
-            False,
-            ours_sgd,
-            lambda m: torch_step(torch.optim.SGD(m.params, LR, momentum=0.9, weight_decay=WEIGHT_DECAY, fused=True)),
-        ),
-        (
-            "gpt-354M: adagrad fp32",
-            gpt,
-            torch.float32,
-            False,
-            ours_adagrad,
-            lambda m: torch_step(native_adagrad(m.params)),
-        ),
+        ("gpt-354M: sgd fp32", gpt, torch.float32, False, ours_sgd, torch_sgd),
+        ("gpt-354M: adagrad fp32", gpt, torch.float32, False, ours_adagrad, torch_adagrad),
         ("gpt-354M: lamb fp32", gpt, torch.float32, False, ours_lamb, None),
         ("small-1M: adam fp32", small, torch.float32, False, ours_adam, torch_adam),
-        (
-            "small-1M: sgd fp32",
-            small,
-            torch.float32,
-            False,
-            ours_sgd,
-            lambda m: torch_step(torch.optim.SGD(m.params, LR, momentum=0.9, weight_decay=WEIGHT_DECAY, fused=True)),
-        ),
-        (
-            "small-1M: adagrad fp32",
-            small,
-            torch.float32,
-            False,
-            ours_adagrad,
-            lambda m: torch_step(native_adagrad(m.params)),
-        ),
+        ("small-1M: sgd fp32", small, torch.float32, False, ours_sgd, torch_sgd),
+        ("small-1M: adagrad fp32", small, torch.float32, False, ours_adagrad, torch_adagrad),
     ]:
         rows[case] = bench(case, shapes, dtype, master, s, chunk, ours, native)
 
     sweep = chunk_sweep(s, [int(x) for x in args.chunk_sweep.split(",") if x]) if args.chunk_sweep else []
-    header = [
-        "# bench_optimizers",
-        "",
-        f"- device: {torch.cuda.get_device_name()}; torch {torch.__version__}, CUDA {torch.version.cuda}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s",
-        f"- chunk_size {chunk}; lr {LR}, betas {BETAS}, weight_decay {WEIGHT_DECAY}; speedup = torch ms / ours ms",
-        f"- {BYTES_NOTE}",
+    notes = [
+        f"chunk_size {chunk}; lr {LR}, betas {BETAS}, weight_decay {WEIGHT_DECAY}; speedup = torch ms / ours ms",
+        BYTES_NOTE,
     ]
-    table = markdown(list(rows.values()), copy_gbps, header)
-    text = table + "\n".join([*sweep, "", *verdicts(rows, copy_gbps)]) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_optimizers.md").write_text(text)
+    table = markdown_table(HEADER, [row.cells(copy_gbps) for row in rows.values()])
+    body = [*table, *sweep, "", *verdicts(rows, copy_gbps)]
+    report("bench_optimizers", body, out=args.out, copy_gbps=copy_gbps, notes=notes)
     return 0
 
 

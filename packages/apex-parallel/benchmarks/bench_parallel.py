@@ -43,7 +43,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from apex.core.benchmarking import copies_for_l2, markdown_table, require_kernels, time_ms
+from apex.core.benchmarking import copies_for_l2, markdown_table, report, require_cuda, require_kernels, time_ms
 
 WORLD = 2
 SYNCBN_SHAPES = [(64, 56, 56), (256, 56, 56), (128, 28, 28), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
@@ -297,11 +297,6 @@ def worker(rank: int, args: argparse.Namespace, store: str, results) -> None:
         dist.destroy_process_group()
 
 
-def nccl_version() -> str:
-    version = torch.cuda.nccl.version()
-    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_parallel.md")
@@ -311,29 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="syncbn,ddp", help="comma-separated: syncbn, ddp")
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
-    if torch.cuda.device_count() < WORLD:
-        print(f"bench_parallel: needs {WORLD} CUDA devices, found {torch.cuda.device_count()}", file=sys.stderr)
+    if not require_cuda("bench_parallel", WORLD):
         return 1
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     store = os.path.join(tempfile.mkdtemp(), "store")
     mp.start_processes(worker, args=(args, store, results), nprocs=WORLD, join=True, start_method="spawn")
-    lines = results.get()
-    header = [
-        "# bench_parallel",
-        "",
-        f"- device: {WORLD}x {torch.cuda.get_device_name(0)}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"NCCL {nccl_version()}; "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        "- ms: device time from CUDA events (median); ratios above 1 mean ours is faster",
-        "",
-    ]
-    text = "\n".join([*header, *lines]) + "\n"
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_parallel.md").write_text(text)
+    notes = ["ms: device time from CUDA events (median); ratios above 1 mean ours is faster"]
+    report("bench_parallel", results.get(), out=args.out, notes=notes, devices=WORLD)
     return 0
 
 

@@ -1,17 +1,32 @@
-"""Timing helpers shared by every package's ``benchmarks/bench_*.py`` (CUDA only).
+"""Timing and reporting helpers shared by every package's ``benchmarks/bench_*.py`` (CUDA only).
 
 Ours and PyTorch's are timed in the same process with CUDA events, medians over samples, data
 rotated through enough copies to outgrow L2, and the device copy bandwidth measured in the
-same run so results can be read as a fraction of what the memory system delivers.
+same run so results can be read as a fraction of what the memory system delivers. Every
+benchmark prints (and with ``--out DIR`` writes) one Markdown report through :func:`report`,
+whose header names the device, the versions, the time and the command.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import statistics
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import torch
+
+
+def require_cuda(script: str, devices: int = 1) -> bool:
+    """Whether ``devices`` CUDA devices are visible; if not, says so on stderr (the caller exits 1)."""
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found >= devices:
+        return True
+    needs = "a CUDA device" if devices == 1 else f"{devices} CUDA devices, found {found}"
+    print(f"{script}: needs {needs}", file=sys.stderr)
+    return False
 
 
 def require_kernels(plugin_name: str) -> None:
@@ -57,11 +72,21 @@ def copy_bandwidth_gbps(samples: int) -> float:
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
     ms = time_ms([lambda: dst.copy_(src)], samples, min_calls=5)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e9
+    return gb_per_s(2 * src.numel() * src.element_size(), ms)
 
 
 def nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def gb_per_s(bytes_moved: float, ms: float) -> float:
+    """Effective bandwidth of moving ``bytes_moved`` bytes in ``ms`` milliseconds."""
+    return bytes_moved / (ms * 1e-3) / 1e9
+
+
+def verdict(name: str, value: float, bar: float) -> str:
+    """One PASS/FAIL line of a bar that ``value`` meets when it is at least ``bar``."""
+    return f"{'PASS' if value >= bar else 'FAIL'}: {name} (measured {value:.2f}, bar {bar:.2f})"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -70,4 +95,54 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list
     return lines
 
 
-__all__ = ["copies_for_l2", "copy_bandwidth_gbps", "markdown_table", "nbytes", "require_kernels", "time_ms"]
+def report(
+    name: str,
+    body: Iterable[str],
+    *,
+    out: Path | None = None,
+    copy_gbps: float | None = None,
+    notes: Iterable[str] = (),
+    devices: int = 1,
+) -> str:
+    """Print a benchmark's Markdown report and, with ``out``, write it to ``out/<name>.md``.
+
+    The header: ``# name``; the device (``devices`` of them, with the NCCL version when more
+    than one), torch and CUDA versions and the UTC time; the command line; the copy bandwidth
+    measured in the run, when given; then one bullet per note. ``body`` (tables, verdicts)
+    follows after a blank line. Returns the text.
+    """
+    gpu = torch.cuda.get_device_name(0)
+    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    if devices > 1:
+        gpu = f"{devices}x {gpu}"
+        nccl = torch.cuda.nccl.version()
+        versions += f", NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}"
+    lines = [
+        f"# {name}",
+        "",
+        f"- device: {gpu}; {versions}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- command: `python {' '.join(sys.argv)}`",
+    ]
+    if copy_gbps is not None:
+        lines.append(f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s")
+    lines += [f"- {note}" for note in notes]
+    text = "\n".join([*lines, "", *body]) + "\n"
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}.md").write_text(text)
+    return text
+
+
+__all__ = [
+    "copies_for_l2",
+    "copy_bandwidth_gbps",
+    "gb_per_s",
+    "markdown_table",
+    "nbytes",
+    "report",
+    "require_cuda",
+    "require_kernels",
+    "time_ms",
+    "verdict",
+]
