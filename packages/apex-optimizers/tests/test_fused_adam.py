@@ -13,67 +13,28 @@ import torch
 
 from apex.optimizers import FusedAdam
 
-# empty, one, odd, 2-D, not a multiple of any vector width, more than one 65536-element chunk
-SHAPES = [(0,), (1,), (7,), (33, 5), (4099,), (70001,)]
-STEPS = 20
-REDUCED = [torch.float16, torch.bfloat16]
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
-# With L2 weight decay the first step divides g + wd*theta, which can cancel to near zero, by its
-# own magnitude plus eps, so one fp32 rounding of that sum (kernels may fuse it differently) moves
-# the update by up to rounding/eps. The L2 cases take an eps that keeps this below the tolerance.
-L2_EPS = 1e-3
-
-
-def make_params(dtype, device, shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype=dtype, device=device)) for s in shapes]
-
-
-def fp32_copies(params):
-    return [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-
-
-def random_grads(params):
-    return [torch.randn(p.shape, dtype=torch.float64).to(dtype=p.dtype, device=p.device) for p in params]
-
-
-def assert_follows_emulation(param, twin, peak):
-    """fp32 params as the twin; fp16/bf16 params within two units in the last place of their
-    dtype at the largest magnitude the element reached: where the fp32 updates of ours and of
-    the emulation straddle a rounding boundary, the rounded parameters part by one unit, and
-    the gap stays as the parameter moves on."""
-    if param.dtype == torch.float32:
-        torch.testing.assert_close(param, twin, **FP32_TOL)
-        return
-    gap = (param.detach().double() - twin.detach().double()).abs()
-    bound = 2 * torch.finfo(param.dtype).eps * peak.double() + 1e-6
-    assert bool((gap <= bound).all()), (
-        f"{param.dtype} parameter of shape {tuple(param.shape)} strays from the emulation by "
-        f"{(gap - bound).max().item():.3g} beyond two units in the last place"
-    )
+from ._helpers import (
+    FP32_TOL,
+    L2_EPS,
+    REDUCED,
+    STAGGERED,
+    STEPS,
+    assert_follows_emulation,
+    assert_param_groups_follow_torch,
+    assert_tensor_lr_equals_float_lr,
+    fp32_copies,
+    make_params,
+    random_grads,
+    run,
+    step_on_fresh_grads,
+    step_on_some_grads,
+)
 
 
 def assert_moved(params, initial):
     for p, p0 in zip(params, initial):
         if p.numel():
             assert not torch.equal(p.detach(), p0), "the step left a parameter unchanged"
-
-
-def run(ours, theirs, params, twins, steps=STEPS, round_twins=False):
-    """Step both on the same fresh gradients (upcast for the twins); return each twin's
-    elementwise peak magnitude over the run."""
-    peaks = [t.detach().abs() for t in twins]
-    for _ in range(steps):
-        for p, t, g in zip(params, twins, random_grads(params)):
-            p.grad = g
-            t.grad = g.to(t.dtype)
-        ours.step()
-        theirs.step()
-        if round_twins:
-            with torch.no_grad():
-                for p, t in zip(params, twins):
-                    t.copy_(t.to(p.dtype))
-        peaks = [torch.maximum(peak, t.detach().abs()) for peak, t in zip(peaks, twins)]
-    return peaks
 
 
 # against torch.optim, fp32 -----------------------------------------------------------------
@@ -100,17 +61,9 @@ def test_fp32_matches_torch(device, adam_w_mode, weight_decay):
 
 
 def test_param_groups_keep_their_own_hyperparameters(device):
-    first, second = make_params(torch.float32, device, SHAPES[:3]), make_params(torch.float32, device, SHAPES[3:])
-    twins_first, twins_second = fp32_copies(first), fp32_copies(second)
     group_a = dict(lr=3e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1)
     group_b = dict(lr=1e-2, betas=(0.5, 0.9), eps=1e-8, weight_decay=0.0)
-    ours = FusedAdam([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0, weight_decay=0.5)
-    theirs = torch.optim.AdamW(
-        [{"params": twins_first, **group_a}, {"params": twins_second, **group_b}], lr=1.0, weight_decay=0.5
-    )
-    run(ours, theirs, first + second, twins_first + twins_second)
-    for p, t in zip(first + second, twins_first + twins_second):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_param_groups_follow_torch(FusedAdam, torch.optim.AdamW, device, group_a, group_b, lr=1.0, weight_decay=0.5)
 
 
 def test_parameters_with_their_own_step_counts(device):
@@ -121,14 +74,9 @@ def test_parameters_with_their_own_step_counts(device):
     twins = fp32_copies(params)
     hyper = dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.01)
     ours, theirs = FusedAdam(params, **hyper), torch.optim.AdamW(twins, **hyper)
-    for step in range(8):
-        active = [0] + ([1] if step >= 3 else []) + ([2] if step % 2 == 0 else [])
-        for i in range(3):
-            params[i].grad = twins[i].grad = None
-        for i in active:
-            g = torch.randn(params[i].shape, device=device)
-            params[i].grad, twins[i].grad = g, g.clone()
-        ours.step()
+    for grads in step_on_some_grads(ours, params, STAGGERED):
+        for t, g in zip(twins, grads):
+            t.grad = None if g is None else g.clone()
         theirs.step()
     for p, t in zip(params, twins):
         assert float(ours.state[p]["step"]) == float(theirs.state[t]["step"])
@@ -163,13 +111,7 @@ def test_fp32_matches_float64_reference(device, bias_correction, adam_w_mode):
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8 if adam_w_mode else L2_EPS, weight_decay=0.02)
     ours = FusedAdam(params, bias_correction=bias_correction, adam_w_mode=adam_w_mode, **hyper)
     initial = [p.detach().clone() for p in params]
-    history = []
-    for _ in range(STEPS):
-        grads = random_grads(params)
-        history.append(grads)
-        for p, g in zip(params, grads):
-            p.grad = g
-        ours.step()
+    history = step_on_fresh_grads(ours, params)
     expected = adam_reference(initial, history, adam_w_mode=adam_w_mode, bias_correction=bias_correction, **hyper)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.double(), e, **FP32_TOL)
@@ -230,13 +172,7 @@ def test_master_weights_follow_fp32_adamw(device, dtype):
 
 
 def test_tensor_lr_equals_float_lr(device):
-    params = make_params(torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    with_tensor = FusedAdam(params, lr=torch.tensor(3e-3, device=device), weight_decay=0.01)
-    with_float = FusedAdam(twins, lr=3e-3, weight_decay=0.01)
-    run(with_tensor, with_float, params, twins, steps=5)
-    for p, t in zip(params, twins):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_tensor_lr_equals_float_lr(FusedAdam, device, 3e-3, weight_decay=0.01)
 
 
 @pytest.mark.parametrize("master_weights", [False, True])

@@ -15,15 +15,22 @@ import torch
 
 from apex.optimizers import FusedLAMB, FusedMixedPrecisionLamb
 
-# empty, one, odd, 2-D, not a multiple of any vector width, more than one 65536-element chunk
-SHAPES = [(0,), (1,), (7,), (33, 5), (4099,), (70001,)]
-STEPS = 20
-REDUCED = [torch.float16, torch.bfloat16]
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
-# With L2 weight decay the first step divides g + wd*theta, which can cancel to near zero, by its
-# own magnitude plus eps, so one fp32 rounding of that sum (kernels may fuse it differently) moves
-# the update by up to rounding/eps. The L2 cases take an eps that keeps this below the tolerance.
-L2_EPS = 1e-3
+from ._helpers import (
+    FP32_TOL,
+    L2_EPS,
+    REDUCED,
+    SHAPES,
+    STAGGERED,
+    STEPS,
+    assert_follows_reference,
+    assert_tensor_lr_equals_float_lr,
+    hypers_of,
+    make_params,
+    random_grads,
+    run_with_reference,
+    step_on_some_grads,
+)
+
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging", "max_grad_norm")
 DEFAULTS = dict(
     lr=1e-2,
@@ -34,14 +41,6 @@ DEFAULTS = dict(
     grad_averaging=True,
     max_grad_norm=1.0,
 )
-
-
-def make_params(dtype, device, shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype=dtype, device=device)) for s in shapes]
-
-
-def random_grads(params):
-    return [torch.randn(p.shape, dtype=torch.float64).to(dtype=p.dtype, device=p.device) for p in params]
 
 
 class ReferenceLamb:
@@ -103,38 +102,16 @@ class ReferenceLamb:
         self.clip_ratios.append(max(ratios))
 
 
-def hypers_of(optimizer):
-    return [{k: group[k] for k in HYPER_KEYS} for group in optimizer.param_groups for _ in group["params"]]
+def assert_follows_lamb_reference(param, expected, peak):
+    """As ``assert_follows_reference``, with an fp32 absolute tolerance relative to the tensor's scale.
 
-
-def run(optimizer, params, reference, steps=STEPS):
-    for _ in range(steps):
-        grads = random_grads(params)
-        for p, g in zip(params, grads):
-            p.grad = g
-        optimizer.step()
-        reference.step(grads)
-
-
-def assert_follows_reference(param, expected, peak):
-    """fp32 as the float64 reference within fp32 rounding; fp16/bf16 rounded every step within two
-    units in the last place at the largest magnitude the element reached (one rounding flip where
-    the fp32 and float64 updates straddle a boundary, carried along afterwards)."""
-    if param.dtype == torch.float32:
-        # Each step moves every element by lr * ratio * u, computed in fp32 (the kernel with fast
-        # sqrt/division), so an element that ends near zero still carries the rounding of those
-        # updates: the absolute tolerance is relative to the tensor's scale, not the element's.
-        # (Seen on the H200: 1.5e-6 on a tensor of max magnitude ~3.5 after 20 steps.)
-        scale = float(expected.abs().max()) if expected.numel() else 0.0
-        atol = FP32_TOL["rtol"] * scale + FP32_TOL["atol"]
-        torch.testing.assert_close(param.detach().double(), expected, rtol=FP32_TOL["rtol"], atol=atol)
-        return
-    gap = (param.detach().double() - expected).abs()
-    bound = 2 * torch.finfo(param.dtype).eps * peak + 1e-6
-    assert bool((gap <= bound).all()), (
-        f"{param.dtype} parameter of shape {tuple(param.shape)} strays from the reference by "
-        f"{(gap - bound).max().item():.3g} beyond two units in the last place"
-    )
+    Each step moves every element by lr * ratio * u, computed in fp32 (the kernel with fast
+    sqrt/division), so an element that ends near zero still carries the rounding of those
+    updates: the absolute tolerance is relative to the tensor's scale, not the element's.
+    (Seen on the H200: 1.5e-6 on a tensor of max magnitude ~3.5 after 20 steps.)
+    """
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    assert_follows_reference(param, expected, peak, atol=FP32_TOL["rtol"] * scale + FP32_TOL["atol"])
 
 
 # FusedLAMB, fp32, every option -------------------------------------------------------------
@@ -157,15 +134,15 @@ def test_fp32_matches_float64_reference(device, variant):
     options = {**DEFAULTS, **VARIANTS[variant]}
     params = make_params(torch.float32, device)
     optimizer = FusedLAMB(params, **options)
-    reference = ReferenceLamb(params, hypers_of(optimizer), optimizer.adam_w_mode, optimizer.use_nvlamb)
+    reference = ReferenceLamb(params, hypers_of(optimizer, HYPER_KEYS), optimizer.adam_w_mode, optimizer.use_nvlamb)
     initial = [p.detach().clone() for p in params]
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     if variant in ("clipping_inactive", "clipping_off"):
         assert max(reference.clip_ratios) == 1.0
     else:
         assert min(reference.clip_ratios) > 1.0, "the gradients are meant to be clipped"
     for p, p0, expected, m, v in zip(params, initial, reference.theta, reference.m, reference.v):
-        assert_follows_reference(p, expected, None)
+        assert_follows_lamb_reference(p, expected, None)
         if p.numel():
             assert not torch.equal(p.detach(), p0)
         state = optimizer.state[p]
@@ -188,11 +165,11 @@ def test_param_groups_keep_their_own_hyperparameters_and_share_the_global_norm(d
     group_b = dict(lr=2e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, max_grad_norm=50.0)
     optimizer = FusedLAMB([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0, weight_decay=0.5)
     params = first + second
-    reference = ReferenceLamb(params, hypers_of(optimizer))
-    run(optimizer, params, reference)
+    reference = ReferenceLamb(params, hypers_of(optimizer, HYPER_KEYS))
+    run_with_reference(optimizer, params, reference)
     assert reference.hypers[0]["lr"] == 5e-3 and reference.hypers[-1]["weight_decay"] == 0.0
     for p, expected in zip(params, reference.theta):
-        assert_follows_reference(p, expected, None)
+        assert_follows_lamb_reference(p, expected, None)
 
 
 @pytest.mark.parametrize("adam_w_mode", [True, False])
@@ -200,11 +177,11 @@ def test_mixed_dtypes_in_one_group_follow_rounded_reference(device, adam_w_mode)
     params = [p for dtype in (torch.float32, *REDUCED) for p in make_params(dtype, device)]
     eps = DEFAULTS["eps"] if adam_w_mode else L2_EPS
     optimizer = FusedLAMB(params, adam_w_mode=adam_w_mode, **{**DEFAULTS, "lr": 5e-2, "eps": eps})
-    reference = ReferenceLamb(params, hypers_of(optimizer), adam_w_mode, round_params=True)
+    reference = ReferenceLamb(params, hypers_of(optimizer, HYPER_KEYS), adam_w_mode, round_params=True)
     initial = [p.detach().clone() for p in params]
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     for p, p0, expected, peak in zip(params, initial, reference.theta, reference.peaks):
-        assert_follows_reference(p, expected, peak)
+        assert_follows_lamb_reference(p, expected, peak)
         if p.numel():
             assert not torch.equal(p.detach(), p0)
         assert optimizer.state[p]["exp_avg"].dtype == torch.float32
@@ -215,12 +192,12 @@ def test_mixed_dtypes_in_one_group_follow_rounded_reference(device, adam_w_mode)
 def test_master_weights_follow_float64_reference(device, dtype):
     params = make_params(dtype, device) + make_params(torch.float32, device, [(5, 3)])
     optimizer = FusedLAMB(params, master_weights=True, **DEFAULTS)
-    reference = ReferenceLamb(params, hypers_of(optimizer))
-    run(optimizer, params, reference)
+    reference = ReferenceLamb(params, hypers_of(optimizer, HYPER_KEYS))
+    run_with_reference(optimizer, params, reference)
     for p, expected in zip(params, reference.theta):
         if p.dtype == torch.float32:
             assert "master_param" not in optimizer.state[p]
-            assert_follows_reference(p, expected, None)
+            assert_follows_lamb_reference(p, expected, None)
             continue
         master = optimizer.state[p]["master_param"]
         assert master.dtype == torch.float32
@@ -233,31 +210,16 @@ def test_parameters_with_their_own_step_counts(device):
     # late, one that skips steps; each parameter's bias corrections follow its own count.
     params = make_params(torch.float32, device, [(7,), (33, 5), (300,)])
     optimizer = FusedLAMB(params, **DEFAULTS)
-    reference = ReferenceLamb(params, hypers_of(optimizer))
-    for step in range(8):
-        active = [0] + ([1] if step >= 3 else []) + ([2] if step % 2 == 0 else [])
-        grads = [torch.randn(p.shape, device=device) if i in active else None for i, p in enumerate(params)]
-        for p, g in zip(params, grads):
-            p.grad = g
-        optimizer.step()
+    reference = ReferenceLamb(params, hypers_of(optimizer, HYPER_KEYS))
+    for grads in step_on_some_grads(optimizer, params, STAGGERED):
         reference.step(grads)
     for p, expected, count in zip(params, reference.theta, reference.t):
         assert float(optimizer.state[p]["step"]) == count
-        assert_follows_reference(p, expected, None)
+        assert_follows_lamb_reference(p, expected, None)
 
 
 def test_tensor_lr_equals_float_lr(device):
-    params = make_params(torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    with_tensor = FusedLAMB(params, **{**DEFAULTS, "lr": torch.tensor(1e-2, device=device)})
-    with_float = FusedLAMB(twins, **DEFAULTS)
-    for _ in range(5):
-        for p, t, g in zip(params, twins, random_grads(params)):
-            p.grad, t.grad = g, g.clone()
-        with_tensor.step()
-        with_float.step()
-    for p, t in zip(params, twins):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_tensor_lr_equals_float_lr(FusedLAMB, device, **DEFAULTS)
 
 
 @pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(betas=(1.0, 0.9)), dict(betas=(0.9, 1.5))])
@@ -278,14 +240,14 @@ def test_mixed_precision_lamb_masters_follow_float64_reference(device, start_ste
     assert isinstance(group["lr"], torch.Tensor) and group["lr"].dtype == torch.float32
     reference = ReferenceLamb(params, [{**options} for _ in params], step=start_step)
     initial = [p.detach().clone() for p in params]
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     assert min(reference.clip_ratios) > 1.0
     for p, p0, expected in zip(params, initial, reference.theta):
         state = optimizer.state[p]
         assert float(state["step"]) == start_step + STEPS
         if p.dtype == torch.float32:
             assert "master_param" not in state
-            assert_follows_reference(p, expected, None)
+            assert_follows_lamb_reference(p, expected, None)
             continue
         master = state["master_param"]
         assert master.dtype == torch.float32
@@ -304,7 +266,7 @@ def test_mixed_precision_lamb_param_groups(device):
     assert all(isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups)
     hypers = [{**DEFAULTS, **group_a} for _ in first] + [{**DEFAULTS, **group_b} for _ in second]
     reference = ReferenceLamb(params, hypers)
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     for p, expected in zip(params, reference.theta):
         torch.testing.assert_close(optimizer.state[p]["master_param"].double(), expected, **FP32_TOL)
 

@@ -15,23 +15,24 @@ import torch
 
 from apex.optimizers import FusedNovoGrad
 
-# empty, one, odd, 2-D, not a multiple of any vector width, more than one 65536-element chunk
-SHAPES = [(0,), (1,), (7,), (33, 5), (4099,), (70001,)]
-STEPS = 20
-REDUCED = [torch.float16, torch.bfloat16]
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+from ._helpers import (
+    FP32_TOL,
+    REDUCED,
+    SHAPES,
+    STAGGERED,
+    STEPS,
+    assert_follows_reference,
+    assert_tensor_lr_equals_float_lr,
+    hypers_of,
+    make_params,
+    run_with_reference,
+    step_on_some_grads,
+)
+
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "grad_averaging", "norm_type")
 DEFAULTS = dict(
     lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01, bias_correction=True, grad_averaging=True, norm_type=2
 )
-
-
-def make_params(dtype, device, shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype=dtype, device=device)) for s in shapes]
-
-
-def random_grads(params):
-    return [torch.randn(p.shape, dtype=torch.float64).to(dtype=p.dtype, device=p.device) for p in params]
 
 
 class ReferenceNovoGrad:
@@ -87,34 +88,6 @@ class ReferenceNovoGrad:
             self.peaks[i] = torch.maximum(self.peaks[i], theta.abs())
 
 
-def hypers_of(optimizer):
-    return [{k: group[k] for k in HYPER_KEYS} for group in optimizer.param_groups for _ in group["params"]]
-
-
-def run(optimizer, params, reference, steps=STEPS):
-    for _ in range(steps):
-        grads = random_grads(params)
-        for p, g in zip(params, grads):
-            p.grad = g
-        optimizer.step()
-        reference.step(grads)
-
-
-def assert_follows_reference(param, expected, peak):
-    """fp32 as the float64 reference within fp32 rounding; fp16/bf16 rounded every step within two
-    units in the last place at the largest magnitude the element reached (one rounding flip where
-    the fp32 and float64 updates straddle a boundary, carried along afterwards)."""
-    if param.dtype == torch.float32:
-        torch.testing.assert_close(param.detach().double(), expected, **FP32_TOL)
-        return
-    gap = (param.detach().double() - expected).abs()
-    bound = 2 * torch.finfo(param.dtype).eps * peak + 1e-6
-    assert bool((gap <= bound).all()), (
-        f"{param.dtype} parameter of shape {tuple(param.shape)} strays from the reference by "
-        f"{(gap - bound).max().item():.3g} beyond two units in the last place"
-    )
-
-
 VARIANTS = {
     "defaults": dict(),
     "reg_inside_moment": dict(reg_inside_moment=True, weight_decay=0.05),
@@ -134,9 +107,9 @@ def test_fp32_matches_float64_reference(device, variant):
     params = make_params(torch.float32, device)
     optimizer = FusedNovoGrad(params, **options)
     wide = {k: options[k] for k in OPTIMIZER_WIDE if k in options}
-    reference = ReferenceNovoGrad(params, hypers_of(optimizer), **wide)
+    reference = ReferenceNovoGrad(params, hypers_of(optimizer, HYPER_KEYS), **wide)
     initial = [p.detach().clone() for p in params]
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     for i, (p, p0, expected) in enumerate(zip(params, initial, reference.theta)):
         assert_follows_reference(p, expected, None)
         if p.numel():
@@ -155,9 +128,9 @@ def test_param_groups_keep_their_own_hyperparameters(device):
     group_b = dict(lr=1e-2, betas=(0.95, 0.99), weight_decay=0.0, grad_averaging=False)
     optimizer = FusedNovoGrad([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0)
     params = first + second
-    reference = ReferenceNovoGrad(params, hypers_of(optimizer))
+    reference = ReferenceNovoGrad(params, hypers_of(optimizer, HYPER_KEYS))
     assert reference.hypers[0]["norm_type"] == 0 and reference.hypers[-1]["norm_type"] == 2
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     for p, expected in zip(params, reference.theta):
         assert_follows_reference(p, expected, None)
 
@@ -168,9 +141,9 @@ def test_mixed_dtypes_in_one_group_follow_rounded_reference(device, variant):
     params = [p for dtype in (torch.float32, *REDUCED) for p in make_params(dtype, device)]
     optimizer = FusedNovoGrad(params, **options)
     wide = {k: options[k] for k in OPTIMIZER_WIDE if k in options}
-    reference = ReferenceNovoGrad(params, hypers_of(optimizer), **wide)
+    reference = ReferenceNovoGrad(params, hypers_of(optimizer, HYPER_KEYS), **wide)
     initial = [p.detach().clone() for p in params]
-    run(optimizer, params, reference)
+    run_with_reference(optimizer, params, reference)
     for p, p0, expected, peak in zip(params, initial, reference.theta, reference.peaks):
         assert_follows_reference(p, expected, peak)
         if p.numel():
@@ -183,13 +156,8 @@ def test_parameters_with_their_own_step_counts(device):
     # (its second moment starts from its own first gradient), one that skips steps.
     params = make_params(torch.float32, device, [(7,), (33, 5), (300,)])
     optimizer = FusedNovoGrad(params, **DEFAULTS)
-    reference = ReferenceNovoGrad(params, hypers_of(optimizer))
-    for step in range(8):
-        active = [0] + ([1] if step >= 3 else []) + ([2] if step % 2 == 0 else [])
-        grads = [torch.randn(p.shape, device=device) if i in active else None for i, p in enumerate(params)]
-        for p, g in zip(params, grads):
-            p.grad = g
-        optimizer.step()
+    reference = ReferenceNovoGrad(params, hypers_of(optimizer, HYPER_KEYS))
+    for grads in step_on_some_grads(optimizer, params, STAGGERED):
         reference.step(grads)
     for i, p in enumerate(params):
         assert float(optimizer.state[p]["step"]) == reference.t[i]
@@ -198,17 +166,7 @@ def test_parameters_with_their_own_step_counts(device):
 
 
 def test_tensor_lr_equals_float_lr(device):
-    params = make_params(torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    with_tensor = FusedNovoGrad(params, **{**DEFAULTS, "lr": torch.tensor(1e-2, device=device)})
-    with_float = FusedNovoGrad(twins, **DEFAULTS)
-    for _ in range(5):
-        for p, t, g in zip(params, twins, random_grads(params)):
-            p.grad, t.grad = g, g.clone()
-        with_tensor.step()
-        with_float.step()
-    for p, t in zip(params, twins):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_tensor_lr_equals_float_lr(FusedNovoGrad, device, **DEFAULTS)
 
 
 def test_norm_type_other_than_0_or_2_raises():

@@ -11,11 +11,18 @@ import torch
 
 from apex.optimizers import FusedSGD
 
-# empty, one, odd, 2-D, not a multiple of any vector width, more than one 65536-element chunk
-SHAPES = [(0,), (1,), (7,), (33, 5), (4099,), (70001,)]
-STEPS = 20
-REDUCED = [torch.float16, torch.bfloat16]
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+from ._helpers import (
+    FP32_TOL,
+    REDUCED,
+    assert_follows_emulation,
+    assert_param_groups_follow_torch,
+    assert_tensor_lr_equals_float_lr,
+    fp32_copies,
+    make_params,
+    run,
+    step_on_fresh_grads,
+    step_on_some_grads,
+)
 
 CONFIGS = {
     "plain": dict(lr=0.05),
@@ -24,51 +31,6 @@ CONFIGS = {
     "momentum_dampening_weight_decay": dict(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.02),
     "nesterov": dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
 }
-
-
-def make_params(dtype, device, shapes=SHAPES):
-    return [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype=dtype, device=device)) for s in shapes]
-
-
-def fp32_copies(params):
-    return [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-
-
-def random_grads(params):
-    return [torch.randn(p.shape, dtype=torch.float64).to(dtype=p.dtype, device=p.device) for p in params]
-
-
-def assert_follows_emulation(param, twin, peak):
-    """fp32 params as the twin; fp16/bf16 params within two units in the last place of their
-    dtype at the largest magnitude the element reached: where the fp32 updates of ours and of
-    the emulation straddle a rounding boundary, the rounded parameters part by one unit, and
-    the gap stays as the parameter moves on."""
-    if param.dtype == torch.float32:
-        torch.testing.assert_close(param, twin, **FP32_TOL)
-        return
-    gap = (param.detach().double() - twin.detach().double()).abs()
-    bound = 2 * torch.finfo(param.dtype).eps * peak.double() + 1e-6
-    assert bool((gap <= bound).all()), (
-        f"{param.dtype} parameter of shape {tuple(param.shape)} strays from the emulation by "
-        f"{(gap - bound).max().item():.3g} beyond two units in the last place"
-    )
-
-
-def run(ours, theirs, params, twins, steps=STEPS, round_twins=False):
-    """Step both on the same fresh gradients; return each twin's elementwise peak magnitude."""
-    peaks = [t.detach().abs() for t in twins]
-    for _ in range(steps):
-        for p, t, g in zip(params, twins, random_grads(params)):
-            p.grad = g
-            t.grad = g.to(t.dtype)
-        ours.step()
-        theirs.step()
-        if round_twins:
-            with torch.no_grad():
-                for p, t in zip(params, twins):
-                    t.copy_(t.to(p.dtype))
-        peaks = [torch.maximum(peak, t.detach().abs()) for peak, t in zip(peaks, twins)]
-    return peaks
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -113,15 +75,9 @@ def test_mixed_dtypes_in_one_group_follow_fp32_emulation(device, config):
 
 
 def test_param_groups_keep_their_own_hyperparameters(device):
-    first, second = make_params(torch.float32, device, SHAPES[:3]), make_params(torch.float32, device, SHAPES[3:])
-    twins_first, twins_second = fp32_copies(first), fp32_copies(second)
     group_a = dict(lr=0.1, momentum=0.5, dampening=0.5, weight_decay=0.1)
     group_b = dict(lr=0.01, momentum=0.95, nesterov=True)
-    ours = FusedSGD([{"params": first, **group_a}, {"params": second, **group_b}], lr=1.0)
-    theirs = torch.optim.SGD([{"params": twins_first, **group_a}, {"params": twins_second, **group_b}], lr=1.0)
-    run(ours, theirs, first + second, twins_first + twins_second)
-    for p, t in zip(first + second, twins_first + twins_second):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_param_groups_follow_torch(FusedSGD, torch.optim.SGD, device, group_a, group_b, lr=1.0)
 
 
 def sgd_wd_after_momentum_reference(params, grads_per_step, lr, momentum, dampening, weight_decay, nesterov):
@@ -144,26 +100,14 @@ def test_weight_decay_after_momentum_matches_float64_reference(device, nesterov)
     hyper = dict(lr=0.05, momentum=0.9, dampening=0.0 if nesterov else 0.2, weight_decay=0.05, nesterov=nesterov)
     ours = FusedSGD(params, wd_after_momentum=True, **hyper)
     initial = [p.detach().clone() for p in params]
-    history = []
-    for _ in range(STEPS):
-        grads = random_grads(params)
-        history.append(grads)
-        for p, g in zip(params, grads):
-            p.grad = g
-        ours.step()
+    history = step_on_fresh_grads(ours, params)
     expected = sgd_wd_after_momentum_reference(initial, history, **hyper)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.double(), e, **FP32_TOL)
 
 
 def test_tensor_lr_equals_float_lr(device):
-    params = make_params(torch.float32, device)
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    with_tensor = FusedSGD(params, lr=torch.tensor(0.05, device=device), momentum=0.9)
-    with_float = FusedSGD(twins, lr=0.05, momentum=0.9)
-    run(with_tensor, with_float, params, twins, steps=5)
-    for p, t in zip(params, twins):
-        torch.testing.assert_close(p, t, **FP32_TOL)
+    assert_tensor_lr_equals_float_lr(FusedSGD, device, 0.05, momentum=0.9)
 
 
 def test_parameter_joining_later_starts_its_own_momentum(device):
@@ -173,14 +117,9 @@ def test_parameter_joining_later_starts_its_own_momentum(device):
     twins = fp32_copies(params)
     hyper = dict(lr=0.05, momentum=0.9, dampening=0.25)
     ours, theirs = FusedSGD(params, **hyper), torch.optim.SGD(twins, **hyper)
-    for step in range(6):
-        active = [0] if step < 3 else [0, 1]
-        for i in (0, 1):
-            params[i].grad = twins[i].grad = None
-        for i in active:
-            g = torch.randn(params[i].shape, device=device)
-            params[i].grad, twins[i].grad = g, g.clone()
-        ours.step()
+    for grads in step_on_some_grads(ours, params, [[0] if step < 3 else [0, 1] for step in range(6)]):
+        for t, g in zip(twins, grads):
+            t.grad = None if g is None else g.clone()
         theirs.step()
     for p, t in zip(params, twins):
         torch.testing.assert_close(p, t, **FP32_TOL)

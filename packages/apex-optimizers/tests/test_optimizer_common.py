@@ -21,6 +21,9 @@ from apex.optimizers import (
     FusedSGD,
 )
 
+from ._helpers import FP32_TOL, random_grads
+from ._helpers import make_params as params_of
+
 MIXED = [torch.float32, torch.float16, torch.bfloat16]
 # What torch.amp.GradScaler drives: its inf check has no bf16 CUDA kernel (bf16 needs no loss scaling).
 SCALED = [torch.float32, torch.float16]
@@ -50,22 +53,11 @@ UNCOUPLED = {"FusedLAMB": dict(max_grad_norm=0.0), "FusedMixedPrecisionLamb": di
 
 
 def make_params(device, dtypes=MIXED, shapes=SHAPES):
-    return [
-        torch.nn.Parameter(torch.randn(shape, dtype=torch.float64).to(dtype=dtype, device=device))
-        for dtype in dtypes
-        for shape in shapes
-    ]
+    return [p for dtype in dtypes for p in params_of(dtype, device, shapes)]
 
 
 def clones(params, device=None):
     return [torch.nn.Parameter(p.detach().clone().to(device or p.device)) for p in params]
-
-
-def random_grads(params):
-    return [torch.randn(p.shape, dtype=torch.float64).to(dtype=p.dtype, device=p.device) for p in params]
-
-
-FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def tolerance(dtype):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import apex.optimizers._ops  # noqa: F401  (defines torch.ops.apex_optimizers)
+import apex.optimizers  # noqa: F401  (registers torch.ops.apex_optimizers)
 
 OPS = ["fused_adam", "fused_sgd", "fused_adagrad", "fused_lamb", "fused_novograd"]
 CHUNK = 64  # small, so that the 130-element tensors span several chunks
@@ -50,7 +50,7 @@ def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
         grads=make(dtype, device),
         master_params=[p.float() for p in params] if masters else [],
     )
-    if name == "fused_adam":
+    if name in ("fused_adam", "fused_lamb"):  # LAMB takes Adam's arguments, and more
         args.update(
             exp_avgs=make(torch.float32, device, 0.1),
             exp_avg_sqs=positive(device),
@@ -62,6 +62,10 @@ def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
             weight_decay=0.01,
             adam_w_mode=True,
             bias_correction=True,
+        )
+    if name == "fused_lamb":
+        args.update(
+            global_grad_norm=scalar(5.0, device), eps=1e-6, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False
         )
     elif name == "fused_sgd":
         args.update(
@@ -76,23 +80,6 @@ def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
         )
     elif name == "fused_adagrad":
         args.update(state_sums=positive(device), lr=0.1, eps=1e-10, weight_decay=0.01, adagrad_w_mode=False)
-    elif name == "fused_lamb":
-        args.update(
-            exp_avgs=make(torch.float32, device, 0.1),
-            exp_avg_sqs=positive(device),
-            global_grad_norm=scalar(5.0, device),
-            lr=1e-3,
-            step=3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-6,
-            weight_decay=0.01,
-            adam_w_mode=True,
-            bias_correction=True,
-            grad_averaging=True,
-            max_grad_norm=1.0,
-            use_nvlamb=False,
-        )
     elif name == "fused_novograd":
         args.update(
             exp_avgs=make(torch.float32, device, 0.1),

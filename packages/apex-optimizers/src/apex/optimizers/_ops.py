@@ -1,4 +1,4 @@
-"""apex-optimizers' dispatcher ops (namespace ``apex_optimizers``): schemas, references, fakes.
+"""apex-optimizers' dispatcher ops (namespace ``apex_optimizers``): schemas, checks, references.
 
 Conventions shared by every op:
 - one tensor list per role; ``params``/``grads`` of one dtype each (fp32, fp16 or bf16), all
@@ -11,57 +11,73 @@ Conventions shared by every op:
   ``found_inf`` (fp32 one-element tensor): when non-zero nothing is written (the step is skipped
   without a host sync), as ``torch.amp.GradScaler`` expects of fused optimizers;
 - arithmetic in fp32.
-The references below are the specification the CUDA kernels are tested against.
+The references below are the specification the CUDA kernels are tested against. How an op is
+written: ``apex.core.library``.
 """
 
 from __future__ import annotations
 
 import torch
 
-import apex.core  # noqa: F401  (registers apex_core's norms, used by LAMB and NovoGrad)
 from apex.core import checks
-from apex.core.library import define
+from apex.core.library import op
 from apex.optimizers._plugin import KERNELS
 
 FP32 = (torch.float32,)
+# The optional one-element fp32 tensors, in the order they are checked; an op takes those of its schema.
+OPTIONAL_SCALARS = ("lr_tensor", "step_tensor", "grad_scale", "found_inf")
 
 
 # shared checks and helpers ----------------------------------------------------------------
 
 
-def _check_common(op, params, grads, states: dict, master_params, optional: dict):
-    lists = {"params": params, "grads": grads, **states}
-    checks.same_lengths(op, **lists)
-    device = checks.tensor_list(op, "params", params, None)
-    checks.tensor_list(op, "grads", grads, device)
-    for name, tensors in states.items():
-        checks.tensor_list(op, name, tensors, device, dtypes=FP32)
-    if master_params:
-        checks.same_lengths(op, params=params, master_params=master_params)
-        checks.tensor_list(op, "master_params", master_params, device, dtypes=FP32)
-    for name, tensors in [("grads", grads), *states.items(), ("master_params", master_params or [])]:
-        for i, (p, t) in enumerate(zip(params, tensors)):
+def _check_lists(a, *states: str) -> None:
+    """params, grads, the fp32 state lists named ``states`` (one tensor per parameter),
+    master_params and the optional scalars, as every op takes them; sets ``a.device``."""
+    per_param = {"grads": a.grads, **{name: getattr(a, name) for name in states}}
+    checks.same_lengths(a.op, params=a.params, **per_param)
+    a.device = checks.tensor_list(a.op, "params", a.params, None)
+    checks.tensor_list(a.op, "grads", a.grads, a.device)
+    for name in states:
+        checks.tensor_list(a.op, name, per_param[name], a.device, dtypes=FP32)
+    if a.master_params:
+        checks.same_lengths(a.op, params=a.params, master_params=a.master_params)
+        checks.tensor_list(a.op, "master_params", a.master_params, a.device, dtypes=FP32)
+    for name, tensors in [*per_param.items(), ("master_params", a.master_params)]:
+        for i, (p, t) in enumerate(zip(a.params, tensors)):
             if t.numel() != p.numel():
-                raise ValueError(f"{op}: {name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}")
-    for name, t in optional.items():
+                raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}")
+    for name in OPTIONAL_SCALARS:
+        t = getattr(a, name, None)
         if t is not None:
-            checks.scalar_tensor(op, name, t, FP32, device)
-    return device
+            checks.scalar_tensor(a.op, name, t, FP32, a.device)
 
 
-def _optional(lr_tensor=None, step_tensor=None, grad_scale=None, found_inf=None):
-    return {"lr_tensor": lr_tensor, "step_tensor": step_tensor, "grad_scale": grad_scale, "found_inf": found_inf}
+def _lr(a):
+    return a.lr if a.lr_tensor is None else a.lr_tensor.reshape(())
 
 
-def _lr_step(lr, step, lr_tensor, step_tensor):
-    lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
-    step_value = step_tensor.reshape(()) if step_tensor is not None else float(step)
-    return lr_value, step_value
+def _bias_corrections(a):
+    if not a.bias_correction:
+        return 1.0, 1.0
+    step_tensor = getattr(a, "step_tensor", None)  # NovoGrad's schema has none
+    step = float(a.step) if step_tensor is None else step_tensor.reshape(())
+    return 1.0 - a.beta1**step, 1.0 - a.beta2**step
 
 
-def _grad(g, grad_scale):
-    gf = g.float()
-    return gf / grad_scale.reshape(()) if grad_scale is not None else gf
+def _skip(a):
+    """A device bool that is set when ``found_inf`` is, or None without ``found_inf``."""
+    return None if a.found_inf is None else a.found_inf.reshape(()) != 0
+
+
+def _tensors(a):
+    """Per parameter: its index, its fp32 value (the master copy's, if any), its unscaled fp32 gradient."""
+    for i, param in enumerate(a.params):
+        p = (a.master_params[i] if a.master_params else param).float()
+        g = a.grads[i].float()
+        if a.grad_scale is not None:
+            g = g / a.grad_scale.reshape(())
+        yield i, p, g.reshape(p.shape)
 
 
 def _commit(target: torch.Tensor, new: torch.Tensor, skip):
@@ -73,349 +89,122 @@ def _commit(target: torch.Tensor, new: torch.Tensor, skip):
         target.copy_(torch.where(skip, target, new))
 
 
-def _skip(found_inf):
-    return None if found_inf is None else found_inf.reshape(()) != 0
-
-
-def _write_params(params, master_params, i, new, skip):
-    if master_params:
-        _commit(master_params[i], new, skip)
-    _commit(params[i], new, skip)
-
-
-def _current(params, master_params, i):
-    return (master_params[i] if master_params else params[i]).float()
-
-
-def _bias_corrections(beta1, beta2, step, bias_correction):
-    if not bias_correction:
-        return 1.0, 1.0
-    return 1.0 - beta1**step, 1.0 - beta2**step
+def _write_params(a, i, new, skip):
+    if a.master_params:
+        _commit(a.master_params[i], new, skip)
+    _commit(a.params[i], new, skip)
 
 
 # fused_adam -------------------------------------------------------------------------------
 
-ADAM_SCHEMA = (
+
+def _check_adam(a) -> None:
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    _check_lists(a, "exp_avgs", "exp_avg_sqs")
+    if a.step_tensor is None and a.step < 1 and a.bias_correction:
+        raise ValueError(f"{a.op}: step must be >= 1 with bias_correction, got {a.step}")
+
+
+@op(
+    KERNELS,
     "fused_adam(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
     "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] master_params, float lr, int step, float beta1, float beta2, "
     "float eps, float weight_decay, bool adam_w_mode, bool bias_correction, Tensor? lr_tensor=None, "
-    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+    check=_check_adam,
 )
-
-
-def _check_adam(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    master_params,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    lr_tensor=None,
-    step_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    checks.positive_chunk_size("fused_adam", chunk_size)
-    _check_common(
-        "fused_adam",
-        params,
-        grads,
-        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-        master_params,
-        _optional(lr_tensor, step_tensor, grad_scale, found_inf),
-    )
-    if step_tensor is None and step < 1 and bias_correction:
-        raise ValueError(f"fused_adam: step must be >= 1 with bias_correction, got {step}")
-
-
-def _adam_reference(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    master_params,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    lr_tensor=None,
-    step_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    _check_adam(
-        chunk_size,
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        master_params,
-        lr,
-        step,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        adam_w_mode,
-        bias_correction,
-        lr_tensor,
-        step_tensor,
-        grad_scale,
-        found_inf,
-    )
-    lr_value, step_value = _lr_step(lr, step, lr_tensor, step_tensor)
-    bc1, bc2 = _bias_corrections(beta1, beta2, step_value, bias_correction)
-    skip = _skip(found_inf)
-    for i in range(len(params)):
-        p = _current(params, master_params, i)
-        g = _grad(grads[i], grad_scale).reshape(p.shape)
-        if weight_decay != 0:
-            if adam_w_mode:
-                p = p * (1 - lr_value * weight_decay)
+def fused_adam(a):
+    lr = _lr(a)
+    bc1, bc2 = _bias_corrections(a)
+    skip = _skip(a)
+    for i, p, g in _tensors(a):
+        if a.weight_decay != 0:
+            if a.adam_w_mode:
+                p = p * (1 - lr * a.weight_decay)
             else:
-                g = g + weight_decay * p
-        m = exp_avgs[i] * beta1 + g * (1 - beta1)
-        v = exp_avg_sqs[i] * beta2 + g * g * (1 - beta2)
-        denom = v.sqrt() / bc2**0.5 + eps
-        p = p - (lr_value / bc1) * m / denom
-        _commit(exp_avgs[i], m, skip)
-        _commit(exp_avg_sqs[i], v, skip)
-        _write_params(params, master_params, i, p, skip)
-
-
-fused_adam = define(KERNELS, ADAM_SCHEMA, _adam_reference, _check_adam)
+                g = g + a.weight_decay * p
+        m = a.exp_avgs[i] * a.beta1 + g * (1 - a.beta1)
+        v = a.exp_avg_sqs[i] * a.beta2 + g * g * (1 - a.beta2)
+        denom = v.sqrt() / bc2**0.5 + a.eps
+        p = p - (lr / bc1) * m / denom
+        _commit(a.exp_avgs[i], m, skip)
+        _commit(a.exp_avg_sqs[i], v, skip)
+        _write_params(a, i, p, skip)
 
 
 # fused_sgd --------------------------------------------------------------------------------
 
-SGD_SCHEMA = (
+
+def _check_sgd(a) -> None:
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    if a.momentum == 0 and a.momentum_buffers:
+        raise ValueError(f"{a.op}: momentum_buffers must be empty when momentum is 0")
+    states = ("momentum_buffers",) if a.momentum != 0 else ()
+    _check_lists(a, *states)
+    if a.nesterov and (a.momentum <= 0 or a.dampening != 0):
+        raise ValueError(f"{a.op}: nesterov needs momentum > 0 and dampening 0")
+
+
+@op(
+    KERNELS,
     "fused_sgd(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
     "Tensor(c!)[] master_params, float lr, float weight_decay, float momentum, float dampening, bool nesterov, "
     "bool first_run, bool wd_after_momentum, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-    "Tensor? found_inf=None) -> ()"
+    "Tensor? found_inf=None) -> ()",
+    check=_check_sgd,
 )
-
-
-def _check_sgd(
-    chunk_size,
-    params,
-    grads,
-    momentum_buffers,
-    master_params,
-    lr,
-    weight_decay,
-    momentum,
-    dampening,
-    nesterov,
-    first_run,
-    wd_after_momentum,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    op = "fused_sgd"
-    checks.positive_chunk_size(op, chunk_size)
-    states = {"momentum_buffers": momentum_buffers} if momentum != 0 else {}
-    if momentum == 0 and momentum_buffers:
-        raise ValueError(f"{op}: momentum_buffers must be empty when momentum is 0")
-    _check_common(op, params, grads, states, master_params, _optional(lr_tensor, None, grad_scale, found_inf))
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f"{op}: nesterov needs momentum > 0 and dampening 0")
-
-
-def _sgd_reference(
-    chunk_size,
-    params,
-    grads,
-    momentum_buffers,
-    master_params,
-    lr,
-    weight_decay,
-    momentum,
-    dampening,
-    nesterov,
-    first_run,
-    wd_after_momentum,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    _check_sgd(
-        chunk_size,
-        params,
-        grads,
-        momentum_buffers,
-        master_params,
-        lr,
-        weight_decay,
-        momentum,
-        dampening,
-        nesterov,
-        first_run,
-        wd_after_momentum,
-        lr_tensor,
-        grad_scale,
-        found_inf,
-    )
-    lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
-    skip = _skip(found_inf)
-    for i in range(len(params)):
-        p = _current(params, master_params, i)
-        g = _grad(grads[i], grad_scale).reshape(p.shape)
-        if weight_decay != 0 and not wd_after_momentum:
-            g = g + weight_decay * p
-        if momentum != 0:
-            buf = g if first_run else momentum_buffers[i] * momentum + g * (1 - dampening)
-            _commit(momentum_buffers[i], buf, skip)
-            g = g + momentum * buf if nesterov else buf
-        if weight_decay != 0 and wd_after_momentum:
-            g = g + weight_decay * p
-        _write_params(params, master_params, i, p - lr_value * g, skip)
-
-
-fused_sgd = define(KERNELS, SGD_SCHEMA, _sgd_reference, _check_sgd)
+def fused_sgd(a):
+    lr = _lr(a)
+    skip = _skip(a)
+    for i, p, g in _tensors(a):
+        if a.weight_decay != 0 and not a.wd_after_momentum:
+            g = g + a.weight_decay * p
+        if a.momentum != 0:
+            buf = g if a.first_run else a.momentum_buffers[i] * a.momentum + g * (1 - a.dampening)
+            _commit(a.momentum_buffers[i], buf, skip)
+            g = g + a.momentum * buf if a.nesterov else buf
+        if a.weight_decay != 0 and a.wd_after_momentum:
+            g = g + a.weight_decay * p
+        _write_params(a, i, p - lr * g, skip)
 
 
 # fused_adagrad ----------------------------------------------------------------------------
 
-ADAGRAD_SCHEMA = (
+
+def _check_adagrad(a) -> None:
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    _check_lists(a, "state_sums")
+
+
+@op(
+    KERNELS,
     "fused_adagrad(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
     "Tensor(c!)[] master_params, float lr, float eps, float weight_decay, bool adagrad_w_mode, "
-    "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+    "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+    check=_check_adagrad,
 )
-
-
-def _check_adagrad(
-    chunk_size,
-    params,
-    grads,
-    state_sums,
-    master_params,
-    lr,
-    eps,
-    weight_decay,
-    adagrad_w_mode,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    checks.positive_chunk_size("fused_adagrad", chunk_size)
-    _check_common(
-        "fused_adagrad",
-        params,
-        grads,
-        {"state_sums": state_sums},
-        master_params,
-        _optional(lr_tensor, None, grad_scale, found_inf),
-    )
-
-
-def _adagrad_reference(
-    chunk_size,
-    params,
-    grads,
-    state_sums,
-    master_params,
-    lr,
-    eps,
-    weight_decay,
-    adagrad_w_mode,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    _check_adagrad(
-        chunk_size,
-        params,
-        grads,
-        state_sums,
-        master_params,
-        lr,
-        eps,
-        weight_decay,
-        adagrad_w_mode,
-        lr_tensor,
-        grad_scale,
-        found_inf,
-    )
-    lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
-    skip = _skip(found_inf)
-    for i in range(len(params)):
-        p = _current(params, master_params, i)
-        g = _grad(grads[i], grad_scale).reshape(p.shape)
-        if weight_decay != 0 and not adagrad_w_mode:
-            g = g + weight_decay * p
-        h = state_sums[i] + g * g
-        update = g / (h.sqrt() + eps)
-        if weight_decay != 0 and adagrad_w_mode:
-            update = update + weight_decay * p
-        _commit(state_sums[i], h, skip)
-        _write_params(params, master_params, i, p - lr_value * update, skip)
-
-
-fused_adagrad = define(KERNELS, ADAGRAD_SCHEMA, _adagrad_reference, _check_adagrad)
+def fused_adagrad(a):
+    lr = _lr(a)
+    skip = _skip(a)
+    for i, p, g in _tensors(a):
+        if a.weight_decay != 0 and not a.adagrad_w_mode:
+            g = g + a.weight_decay * p
+        h = a.state_sums[i] + g * g
+        update = g / (h.sqrt() + a.eps)
+        if a.weight_decay != 0 and a.adagrad_w_mode:
+            update = update + a.weight_decay * p
+        _commit(a.state_sums[i], h, skip)
+        _write_params(a, i, p - lr * update, skip)
 
 
 # fused_lamb -------------------------------------------------------------------------------
 
-LAMB_SCHEMA = (
-    "fused_lamb(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] master_params, Tensor global_grad_norm, float lr, int step, "
-    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
-    "bool grad_averaging, float max_grad_norm, bool use_nvlamb, Tensor? lr_tensor=None, "
-    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
-)
 
-
-def _check_lamb(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    master_params,
-    global_grad_norm,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    lr_tensor=None,
-    step_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    op = "fused_lamb"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _check_common(
-        op,
-        params,
-        grads,
-        {"exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs},
-        master_params,
-        _optional(lr_tensor, step_tensor, grad_scale, found_inf),
-    )
-    if params:
-        checks.scalar_tensor(op, "global_grad_norm", global_grad_norm, FP32, device)
+def _check_lamb(a) -> None:
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    _check_lists(a, "exp_avgs", "exp_avg_sqs")
+    if a.params:
+        checks.scalar_tensor(a.op, "global_grad_norm", a.global_grad_norm, FP32, a.device)
 
 
 def lamb_clip_ratio(global_grad_norm, max_grad_norm):
@@ -426,204 +215,92 @@ def lamb_clip_ratio(global_grad_norm, max_grad_norm):
     return torch.where(norm > max_grad_norm, norm / max_grad_norm, torch.ones_like(norm))
 
 
-def _lamb_reference(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    master_params,
-    global_grad_norm,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    lr_tensor=None,
-    step_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    _check_lamb(
-        chunk_size,
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sqs,
-        master_params,
-        global_grad_norm,
-        lr,
-        step,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        adam_w_mode,
-        bias_correction,
-        grad_averaging,
-        max_grad_norm,
-        use_nvlamb,
-        lr_tensor,
-        step_tensor,
-        grad_scale,
-        found_inf,
-    )
-    if not params:
+@op(
+    KERNELS,
+    "fused_lamb(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] master_params, Tensor global_grad_norm, float lr, int step, "
+    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
+    "bool grad_averaging, float max_grad_norm, bool use_nvlamb, Tensor? lr_tensor=None, "
+    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+    check=_check_lamb,
+)
+def fused_lamb(a):
+    if not a.params:
         return
-    lr_value, step_value = _lr_step(lr, step, lr_tensor, step_tensor)
-    bc1, bc2 = _bias_corrections(beta1, beta2, step_value, bias_correction)
-    clip = lamb_clip_ratio(global_grad_norm, max_grad_norm)
-    beta3 = 1 - beta1 if grad_averaging else 1.0
-    skip = _skip(found_inf)
-    for i in range(len(params)):
-        p = _current(params, master_params, i)
-        g = _grad(grads[i], grad_scale).reshape(p.shape) / clip
-        if weight_decay != 0 and not adam_w_mode:
-            g = g + weight_decay * p
-        m = exp_avgs[i] * beta1 + g * beta3
-        v = exp_avg_sqs[i] * beta2 + g * g * (1 - beta2)
-        update = (m / bc1) / ((v / bc2).sqrt() + eps)
-        if weight_decay != 0 and adam_w_mode:
-            update = update + weight_decay * p
-        if use_nvlamb or weight_decay != 0:
+    lr = _lr(a)
+    bc1, bc2 = _bias_corrections(a)
+    clip = lamb_clip_ratio(a.global_grad_norm, a.max_grad_norm)
+    beta3 = 1 - a.beta1 if a.grad_averaging else 1.0
+    skip = _skip(a)
+    for i, p, g in _tensors(a):
+        g = g / clip
+        if a.weight_decay != 0 and not a.adam_w_mode:
+            g = g + a.weight_decay * p
+        m = a.exp_avgs[i] * a.beta1 + g * beta3
+        v = a.exp_avg_sqs[i] * a.beta2 + g * g * (1 - a.beta2)
+        update = (m / bc1) / ((v / bc2).sqrt() + a.eps)
+        if a.weight_decay != 0 and a.adam_w_mode:
+            update = update + a.weight_decay * p
+        if a.use_nvlamb or a.weight_decay != 0:
             p_norm, u_norm = p.norm(), update.norm()
             ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
         else:
             ratio = 1.0
-        _commit(exp_avgs[i], m, skip)
-        _commit(exp_avg_sqs[i], v, skip)
-        _write_params(params, master_params, i, p - lr_value * ratio * update, skip)
-
-
-fused_lamb = define(KERNELS, LAMB_SCHEMA, _lamb_reference, _check_lamb)
+        _commit(a.exp_avgs[i], m, skip)
+        _commit(a.exp_avg_sqs[i], v, skip)
+        _write_params(a, i, p - lr * ratio * update, skip)
 
 
 # fused_novograd ---------------------------------------------------------------------------
 
-NOVOGRAD_SCHEMA = (
+
+def _check_novograd(a) -> None:
+    checks.positive_chunk_size(a.op, a.chunk_size)
+    _check_lists(a, "exp_avgs")
+    for name in ("exp_avg_sq_norms", "grad_norms"):
+        t = getattr(a, name)
+        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != len(a.params):
+            raise ValueError(
+                f"{a.op}: {name} must be a 1-D float32 tensor of {len(a.params)} elements (one per "
+                f"tensor), got {t.dtype} of shape {tuple(t.shape)}"
+            )
+        if a.params and t.device != a.device:
+            raise ValueError(f"{a.op}: {name} is on {t.device}, expected {a.device}")
+    if a.step < 1:
+        raise ValueError(f"{a.op}: step must be >= 1, got {a.step}")
+
+
+@op(
+    KERNELS,
     "fused_novograd(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
     "Tensor(c!) exp_avg_sq_norms, Tensor grad_norms, Tensor(d!)[] master_params, float lr, int step, float beta1, "
     "float beta2, float eps, float weight_decay, bool bias_correction, bool grad_averaging, "
     "bool reg_inside_moment, bool init_zero, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-    "Tensor? found_inf=None) -> ()"
+    "Tensor? found_inf=None) -> ()",
+    check=_check_novograd,
 )
-
-
-def _check_novograd(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sq_norms,
-    grad_norms,
-    master_params,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    bias_correction,
-    grad_averaging,
-    reg_inside_moment,
-    init_zero,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    op = "fused_novograd"
-    checks.positive_chunk_size(op, chunk_size)
-    device = _check_common(
-        op, params, grads, {"exp_avgs": exp_avgs}, master_params, _optional(lr_tensor, None, grad_scale, found_inf)
-    )
-    for name, t in (("exp_avg_sq_norms", exp_avg_sq_norms), ("grad_norms", grad_norms)):
-        if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != len(params):
-            raise ValueError(
-                f"{op}: {name} must be a 1-D float32 tensor of {len(params)} elements (one per "
-                f"tensor), got {t.dtype} of shape {tuple(t.shape)}"
-            )
-        if params and t.device != device:
-            raise ValueError(f"{op}: {name} is on {t.device}, expected {device}")
-    if step < 1:
-        raise ValueError(f"{op}: step must be >= 1, got {step}")
-
-
-def _novograd_reference(
-    chunk_size,
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sq_norms,
-    grad_norms,
-    master_params,
-    lr,
-    step,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    bias_correction,
-    grad_averaging,
-    reg_inside_moment,
-    init_zero,
-    lr_tensor=None,
-    grad_scale=None,
-    found_inf=None,
-):
-    _check_novograd(
-        chunk_size,
-        params,
-        grads,
-        exp_avgs,
-        exp_avg_sq_norms,
-        grad_norms,
-        master_params,
-        lr,
-        step,
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-        bias_correction,
-        grad_averaging,
-        reg_inside_moment,
-        init_zero,
-        lr_tensor,
-        grad_scale,
-        found_inf,
-    )
-    if not params:
+def fused_novograd(a):
+    if not a.params:
         return
-    lr_value = lr_tensor.reshape(()) if lr_tensor is not None else lr
-    bc1, bc2 = _bias_corrections(beta1, beta2, float(step), bias_correction)
-    skip = _skip(found_inf)
+    lr = _lr(a)
+    bc1, bc2 = _bias_corrections(a)
+    skip = _skip(a)
     # Per-tensor second moment of the gradient norm; the first step takes the norm itself
     # unless init_zero. ``grad_norms`` are of the unscaled gradients.
-    norms_sq = grad_norms * grad_norms
-    if step == 1 and not init_zero:
+    norms_sq = a.grad_norms * a.grad_norms
+    if a.step == 1 and not a.init_zero:
         v = norms_sq
     else:
-        v = exp_avg_sq_norms * beta2 + norms_sq * (1 - beta2)
-    _commit(exp_avg_sq_norms, v, skip)
-    beta3 = 1 - beta1 if grad_averaging else 1.0
-    for i in range(len(params)):
-        p = _current(params, master_params, i)
-        g = _grad(grads[i], grad_scale).reshape(p.shape)
-        g = g / ((v[i] / bc2).sqrt() + eps)
-        if weight_decay != 0 and reg_inside_moment:
-            g = g + weight_decay * p
-        m = exp_avgs[i] * beta1 + g * beta3
+        v = a.exp_avg_sq_norms * a.beta2 + norms_sq * (1 - a.beta2)
+    _commit(a.exp_avg_sq_norms, v, skip)
+    beta3 = 1 - a.beta1 if a.grad_averaging else 1.0
+    for i, p, g in _tensors(a):
+        g = g / ((v[i] / bc2).sqrt() + a.eps)
+        if a.weight_decay != 0 and a.reg_inside_moment:
+            g = g + a.weight_decay * p
+        m = a.exp_avgs[i] * a.beta1 + g * beta3
         update = m / bc1
-        if weight_decay != 0 and not reg_inside_moment:
-            update = update + weight_decay * p
-        _commit(exp_avgs[i], m, skip)
-        _write_params(params, master_params, i, p - lr_value * update, skip)
-
-
-fused_novograd = define(KERNELS, NOVOGRAD_SCHEMA, _novograd_reference, _check_novograd)
+        if a.weight_decay != 0 and not a.reg_inside_moment:
+            update = update + a.weight_decay * p
+        _commit(a.exp_avgs[i], m, skip)
+        _write_params(a, i, p - lr * update, skip)
