@@ -4,39 +4,30 @@ Small problems are decided by the host: dispatcher, autograd and Python wrapping
 kernel. Two modes:
 
 - ``--device cpu`` (default; no GPU needed): the ops' CPU kernels are replaced by trivial ones
-  that only allocate the outputs, on tiny tensors (2 x 8). With ``--native``,
-  csrc/norm_autograd.cpp is compiled for AutogradCPU (as the CUDA library registers it for
-  AutogradCUDA) and loaded first, so that "ours" goes through the C++ autograd; without it,
-  through the Python autograd.Function. The trivial kernels are Python functions called through
-  the dispatcher, which costs more than the C++ kernels on CUDA: compare the two modes of "ours"
-  with each other, not with PyTorch.
+  that only allocate the outputs, on tiny tensors (2 x 8). The trivial kernels are Python
+  functions called through the dispatcher, which costs more than the C++ kernels on CUDA:
+  compare "ours" between two versions of the code, not with PyTorch.
 - ``--device cuda``: the real kernels on 1024 x 1024 bf16 (a few microseconds of device time
-  each); calls back to back, one synchronize per run. ``--python-autograd`` forces the Python
-  autograd.Function instead of the compiled AutogradCUDA kernels.
+  each); calls back to back, one synchronize per run.
 
 Best of 7 runs of 3000 calls.
 
-    python packages/apex-normalization/benchmarks/host_overhead.py [--native]
-    python packages/apex-normalization/benchmarks/host_overhead.py --device cuda [--python-autograd]
+    python packages/apex-normalization/benchmarks/host_overhead.py [--device cuda]
 """
 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import apex.core.library
-import apex.normalization._ops  # (defines the op schemas)
 from apex.normalization.functional import fused_layer_norm_affine, fused_rms_norm_affine
 
 
-def _forward(input, weight, bias, shape, eps, rms, memory_efficient=False, output_dtype=None):
-    lead = input.shape[: input.dim() - len(shape)]
+def _forward(input, weight, bias, normalized_shape, eps, rms, output_dtype=None):
+    lead = input.shape[: input.dim() - len(normalized_shape)]
     return (
         torch.empty_like(input),
         input.new_empty(lead, dtype=torch.float32),
@@ -44,7 +35,7 @@ def _forward(input, weight, bias, shape, eps, rms, memory_efficient=False, outpu
     )
 
 
-def _backward(grad_output, saved, weight, bias, mean, rstd, shape, rms, memory_efficient, input_dtype, *rest):
+def _backward(grad_output, saved, weight, bias, mean, rstd, *rest):
     return (
         torch.empty_like(saved),
         torch.empty_like(weight),
@@ -71,39 +62,19 @@ def us_per_call(fn, calls: int = 3000, runs: int = 7) -> float:
     return best
 
 
-def load_native_autograd(build: str) -> None:
-    from torch.utils import cpp_extension
-
-    source = Path(__file__).resolve().parents[1] / "src" / "apex" / "normalization" / "csrc" / "norm_autograd.cpp"
-    cpp_extension.load(
-        name="apex_norm_autograd_cpu",
-        sources=[str(source)],
-        extra_cflags=["-O2", "-DAPEX_NORM_AUTOGRAD_KEY=AutogradCPU"],
-        build_directory=build,
-        is_python_module=False,
-    )
-    torch.ops.load_library(str(Path(build) / "apex_norm_autograd_cpu.so"))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--native", action="store_true", help="cpu: time the C++ autograd (compiled here)")
-    parser.add_argument("--python-autograd", action="store_true", help="cuda: time the Python autograd.Function")
     args = parser.parse_args()
     if args.device == "cpu":
-        if args.native:
-            load_native_autograd(tempfile.mkdtemp(prefix="apex-norm-autograd-"))
-        library = torch.library.Library("apex_normalization", "IMPL")
+        library = torch.library.Library("apex_normalization", "IMPL")  # registrations live as long as it does
         library.impl("norm_forward", _forward, "CPU")
         library.impl("norm_backward", _backward, "CPU")
         rows, hidden, dtype = 2, 8, torch.float32
-        autograd = "C++ (AutogradCPU build of norm_autograd.cpp)" if args.native else "Python autograd.Function"
+        kernels = "trivial kernels, 2x8 fp32"
     else:
-        if args.python_autograd:
-            apex.core.library._has_native_autograd = lambda *_: False
         rows, hidden, dtype = 1024, 1024, torch.bfloat16
-        autograd = "Python autograd.Function" if args.python_autograd else "C++ (AutogradCUDA)"
+        kernels = "CUDA kernels, 1024x1024 bf16"
     x = torch.randn(rows, hidden, device=args.device, dtype=dtype, requires_grad=True)
     w = torch.ones(hidden, device=args.device, dtype=dtype, requires_grad=True)
     b = torch.zeros(hidden, device=args.device, dtype=dtype, requires_grad=True)
@@ -126,8 +97,7 @@ def main() -> None:
             lambda: torch.autograd.grad(fused_rms_norm_affine(x, w, hidden, 1e-5), (x, w), dy),
         ),
     }
-    kernels = "trivial kernels" if args.device == "cpu" else "CUDA kernels, 1024x1024 bf16"
-    print(f"torch {torch.__version__}; {args.device}; host us per call ({kernels}); ours with {autograd}")
+    print(f"torch {torch.__version__}; {args.device}; host us per call ({kernels})")
     print("| call | torch us | ours us |\n|---|---|---|")
     for name, (theirs, ours) in cases.items():
         print(f"| {name} | {us_per_call(theirs):.1f} | {us_per_call(ours):.1f} |")

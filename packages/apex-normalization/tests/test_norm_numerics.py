@@ -1,7 +1,7 @@
 """Layer norm and RMS norm, forward and backward, against float64 references.
 
-Every case runs through the public functions (so through the ops and their registered
-backward) on the CPU (the PyTorch reference) and, marked ``gpu``, on CUDA (the kernels). The
+Every case runs through the public functions (so through the ops and the autograd of
+``_ops.norm``) on the CPU (the PyTorch reference) and, marked ``gpu``, on CUDA (the kernels). The
 float64 side is an independent formula (``F.layer_norm``, or the RMS formula) differentiated by
 autograd, fed the same rounded inputs. Tolerances come from the dtype each result is stored in.
 
@@ -223,6 +223,20 @@ def test_many_rows(where, shape, ndim, dtype, rms, weights, memory_efficient):
     if weight_dtype is not None and dtype == torch.float32:
         pytest.skip("float32 input takes float32 weights only")
     check(where, shape, ndim, dtype, rms, weight_dtype=weight_dtype, mixed=mixed, memory_efficient=memory_efficient)
+
+
+# CUDA only: layer norm with a bias on rows long enough for blocks of more than 512 threads and
+# more rows than fit at once, the one case where the forward's plan holds the weight and bias in
+# registers while it prefetches the next tile.
+HELD_WEIGHTS = [
+    pytest.param(torch.float32, (1536, 16384), id="cuda-float32-1536x16384", marks=pytest.mark.gpu),
+    pytest.param(torch.bfloat16, (1000, 32768), id="cuda-bfloat16-1000x32768", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize(("dtype", "shape"), HELD_WEIGHTS)
+def test_prefetching_forward_with_held_weight_and_bias(dtype, shape):
+    check("cuda", shape, 1, dtype, rms=False)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])

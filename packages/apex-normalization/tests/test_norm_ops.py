@@ -22,18 +22,20 @@ def leaf(t):
 FORWARD_CASES = {
     "layer-affine-fp32": dict(dtype=torch.float32, weight=True, bias=True, rms=False),
     "layer-plain-fp16-2d": dict(dtype=torch.float16, weight=False, bias=False, rms=False, ndim=2),
-    "rms-fp32-weight-bf16-mixed-memory-efficient": dict(
-        dtype=torch.bfloat16, weight=True, bias=False, rms=True, weight_dtype=torch.float32, mixed=True, me=True
+    "rms-fp32-weight-bf16-mixed": dict(
+        dtype=torch.bfloat16, weight=True, bias=False, rms=True, weight_dtype=torch.float32, mixed=True
     ),
 }
 
 
-def forward_args(device, dtype, weight, bias, rms, ndim=1, weight_dtype=None, mixed=False, me=False):
-    x = leaf(torch.randn(4, 3, 40, device=device).to(dtype))
+def forward_args(device, dtype, weight, bias, rms, ndim=1, weight_dtype=None, mixed=False):
+    """norm_forward's arguments. No tensor requires grad: the ops carry no autograd formula (the
+    functions differentiate them through ``_ops.norm``, tested below and in test_norm_numerics)."""
+    x = torch.randn(4, 3, 40, device=device).to(dtype)
     shape = list(x.shape[3 - ndim :])
-    w = leaf(torch.rand(shape, device=device).add(0.5).to(weight_dtype or dtype)) if weight else None
-    b = leaf(torch.randn(shape, device=device).to(weight_dtype or dtype)) if bias else None
-    return x, w, b, shape, 1e-5, rms, me, (w.dtype if mixed else None)
+    w = torch.rand(shape, device=device).add(0.5).to(weight_dtype or dtype) if weight else None
+    b = torch.randn(shape, device=device).to(weight_dtype or dtype) if bias else None
+    return x, w, b, shape, 1e-5, rms, (w.dtype if mixed else None)
 
 
 @pytest.mark.parametrize("case", list(FORWARD_CASES))
@@ -43,20 +45,88 @@ def test_opcheck_norm_forward(device, case):
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 def test_opcheck_add_norm_forward(device, rms):
-    x, w, b, shape, eps, _, _, _ = forward_args(device, torch.bfloat16, True, not rms, rms)
-    r = leaf(torch.randn_like(x))
-    torch.library.opcheck(OPS.add_norm_forward.default, (x, r, w, b, shape, eps, rms, False, None))
+    x, w, b, shape, eps, _, _ = forward_args(device, torch.bfloat16, True, not rms, rms)
+    r = torch.randn_like(x)
+    torch.library.opcheck(OPS.add_norm_forward.default, (x, r, w, b, shape, eps, rms, None))
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])
 def test_opcheck_norm_backward(device, memory_efficient):
-    x, w, b, shape, eps, rms, _, _ = forward_args(device, torch.float16, True, True, False)
-    out, mean, rstd = OPS.norm_forward(x.detach(), w.detach(), b.detach(), shape, eps, rms)
-    saved = out if memory_efficient else x.detach()
+    x, w, b, shape, eps, rms, _ = forward_args(device, torch.float16, True, True, False)
+    out, mean, rstd = OPS.norm_forward(x, w, b, shape, eps, rms)
+    saved = out if memory_efficient else x
     dy = torch.randn_like(out)
-    extra = torch.randn_like(x.detach())
-    args = (dy, saved, w.detach(), b.detach(), mean, rstd, shape, False, memory_efficient, x.dtype, True, extra)
+    extra = torch.randn_like(x)
+    args = (dy, saved, w, b, mean, rstd, shape, False, memory_efficient, x.dtype, True, extra)
     torch.library.opcheck(OPS.norm_backward.default, args)
+
+
+# autograd (_ops.norm) ----------------------------------------------------------------------------
+
+
+def test_the_functions_record_one_node(device):
+    x = torch.randn(3, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
+    out = AF.fused_layer_norm_affine(x, w, None, 64)
+    out2, total = AF.fused_add_rms_norm_affine(x, torch.randn_like(x), w, 64)
+    assert out.grad_fn.name() == "FusedNormBackward"
+    assert out2.grad_fn.name() == "FusedNormBackward" and total.grad_fn is out2.grad_fn
+
+
+def test_without_grad_nothing_is_recorded(device):
+    x = torch.randn(3, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
+    with torch.no_grad():
+        out, total = AF.fused_add_layer_norm_affine(x, x, w, None, 64)
+    assert out.grad_fn is None and total.grad_fn is None and not out.requires_grad
+    plain = AF.fused_rms_norm_affine(x.detach(), w.detach(), 64)
+    assert plain.grad_fn is None and not plain.requires_grad
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])
+@pytest.mark.parametrize("wanted", ["input", "weight", "bias"])
+def test_only_the_gradients_asked_for(device, wanted, memory_efficient):
+    """Each gradient is the one computed with every input requiring grad; the others stay unset."""
+    x0, w0, b0 = torch.randn(5, 32, device=device), torch.rand(32, device=device) + 0.5, torch.randn(32, device=device)
+    dy = torch.randn(5, 32, device=device)
+    everything = [leaf(t) for t in (x0, w0, b0)]
+    expected = torch.autograd.grad(AF.fused_layer_norm_affine(*everything, 32, 1e-5, memory_efficient), everything, dy)
+    index = ["input", "weight", "bias"].index(wanted)
+    tensors = [x0, w0, b0]
+    tensors[index] = leaf(tensors[index])
+    AF.fused_layer_norm_affine(*tensors, 32, 1e-5, memory_efficient).backward(dy)
+    torch.testing.assert_close(tensors[index].grad, expected[index])
+    assert [t.grad is None for t in tensors] == [i != index for i in range(3)]
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-sum", "memory-efficient"])
+def test_gradient_through_the_residual_sum_alone(device, memory_efficient):
+    """When only the returned sum is used, its gradient goes to input and residual as is."""
+    x, r = leaf(torch.randn(4, 16, device=device)), leaf(torch.randn(4, 16, device=device))
+    w = leaf(torch.rand(16, device=device) + 0.5)
+    _, total = AF.fused_add_rms_norm_affine(x, r, w, 16, 1e-5, memory_efficient)
+    ds = torch.randn_like(total)
+    total.backward(ds)
+    assert torch.equal(x.grad, ds) and torch.equal(r.grad, ds) and w.grad is None
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+def test_torch_func_grad(device, residual):
+    x = torch.randn(4, 24, device=device)
+    r = torch.randn_like(x) if residual else None
+    w, b = torch.rand(24, device=device) + 0.5, torch.randn(24, device=device)
+
+    def loss(x, w, b):
+        if residual:
+            out, total = AF.fused_add_layer_norm_affine(x, r, w, b, 24)
+            return (out * total).sum()
+        return AF.fused_layer_norm_affine(x, w, b, 24).square().sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(x, w, b)
+    leaves = [leaf(t) for t in (x, w, b)]
+    expected = torch.autograd.grad(loss(*leaves), leaves)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
 
 
 # torch.compile ---------------------------------------------------------------------------------
@@ -195,7 +265,7 @@ def test_output_dtype_and_residual_checks(device):
     x = torch.randn(4, 8, device=device, dtype=torch.float16)
     w = torch.ones(8, device=device)
     with pytest.raises(TypeError, match=r"output_dtype torch.bfloat16 is neither the input's dtype"):
-        OPS.norm_forward(x, w, None, [8], 1e-5, True, False, torch.bfloat16)
+        OPS.norm_forward(x, w, None, [8], 1e-5, True, torch.bfloat16)
     with pytest.raises(TypeError, match=r"residual has dtype torch.float32 but input has torch.float16"):
         AF.fused_add_rms_norm(x, x.float(), 8)
     with pytest.raises(ValueError, match=r"residual has shape \(2, 8\) but input has \(4, 8\)"):
@@ -320,7 +390,7 @@ def test_every_output_element_is_written(hidden, rms):
     w = torch.rand(hidden, device="cuda") + 0.5
     b = None if rms else torch.randn(hidden, device="cuda")
     poison_cuda_cache(x, x, x.float(), w)
-    out, total, mean, rstd = OPS.add_norm_forward(x, r, w, b, [hidden], 1e-5, rms, False, torch.float32)
+    out, total, mean, rstd = OPS.add_norm_forward(x, r, w, b, [hidden], 1e-5, rms, torch.float32)
     for t in (out, total, rstd) + (() if rms else (mean,)):
         assert torch.isfinite(t).all()
     for memory_efficient in (False, True):
@@ -413,18 +483,3 @@ def test_more_than_2_pow_31_elements(hidden):
 def test_ops_module_defines_three_ops():
     for name in ("norm_forward", "add_norm_forward", "norm_backward"):
         assert getattr(_ops, name).name() == f"apex_normalization::{name}"
-
-
-@pytest.mark.gpu
-def test_cuda_autograd_is_the_compiled_one():
-    """On CUDA the functions' autograd is the compiled library's AutogradCUDA kernel
-    (csrc/norm_autograd.cpp), not the Python autograd.Function."""
-    x = torch.randn(3, 64, device="cuda", requires_grad=True)
-    w = torch.randn(64, device="cuda", requires_grad=True)
-    AF.fused_layer_norm_affine(x, w, None, 64)  # the first call loads the library
-    names = [
-        AF.fused_layer_norm_affine(x, w, None, 64).grad_fn.name(),
-        AF.fused_add_rms_norm_affine(x, torch.randn_like(x), w, 64)[0].grad_fn.name(),
-    ]
-    assert "CppNode" in names[0] and "NormForward" in names[0], names
-    assert "CppNode" in names[1] and "AddNormForward" in names[1], names

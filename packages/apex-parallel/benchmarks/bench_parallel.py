@@ -45,7 +45,7 @@ from torch import nn
 
 from apex.core.benchmarking import copies_for_l2, markdown_table, report, require_cuda, require_kernels, time_ms
 
-WORLD = 2
+WORLD = 2  # the bars are defined for two ranks; --world 1 times the kernels on one GPU
 SYNCBN_SHAPES = [(64, 56, 56), (256, 56, 56), (128, 28, 28), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
 SYNCBN_BATCH = 64
 SYNCBN_BAR = 1.3
@@ -107,7 +107,12 @@ def bench_syncbn(samples: int) -> list[str]:
                 ]
             )
     header = ["layout", "shape per rank", "torch ms", "ours ms", "torch/ours", "max |y diff|"]
-    lines = ["## (a) SyncBatchNorm forward + backward, bf16, 2 ranks", "", *markdown_table(header, rows), ""]
+    lines = [
+        f"## (a) SyncBatchNorm forward + backward, bf16, {dist.get_world_size()} ranks",
+        "",
+        *markdown_table(header, rows),
+        "",
+    ]
     below = [f"{layout} {c}x{h}x{w} ({r:.2f}x)" for (layout, c, h, w), r in ratios if r < SYNCBN_BAR]
     geomean = math.exp(statistics.fmean(math.log(r) for _, r in ratios))
     verdict = "PASS" if not below else "FAIL"
@@ -268,7 +273,13 @@ def bench_ddp(steps: int, rounds: int) -> list[str]:
         del run, wrapped, optimizers, model_ours, model_torch
         torch.cuda.empty_cache()
     header = ["model", "params", "torch ms/step", "ours ms/step", "torch/ours", "torch range", "ours range"]
-    return ["## (b) DDP training step, bf16 autocast, 2 ranks", "", *markdown_table(header, rows), "", *verdicts]
+    return [
+        f"## (b) DDP training step, bf16 autocast, {dist.get_world_size()} ranks",
+        "",
+        *markdown_table(header, rows),
+        "",
+        *verdicts,
+    ]
 
 
 # Driver ------------------------------------------------------------------------------------
@@ -280,7 +291,7 @@ def worker(rank: int, args: argparse.Namespace, store: str, results) -> None:
         "nccl",
         init_method=f"file://{store}",
         rank=rank,
-        world_size=WORLD,
+        world_size=args.world,
         timeout=datetime.timedelta(seconds=300),
         device_id=torch.device("cuda", rank),
     )
@@ -304,16 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="training steps per DDP timing round")
     parser.add_argument("--rounds", type=int, default=20, help="DDP timing rounds per wrapper (median)")
     parser.add_argument("--parts", default="syncbn,ddp", help="comma-separated: syncbn, ddp")
+    parser.add_argument("--world", type=int, default=WORLD, help="ranks, one GPU each (the bars assume 2)")
     args = parser.parse_args(argv)
     args.parts = set(args.parts.split(","))
-    if not require_cuda("bench_parallel", WORLD):
+    if not require_cuda("bench_parallel", args.world):
         return 1
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     store = os.path.join(tempfile.mkdtemp(), "store")
-    mp.start_processes(worker, args=(args, store, results), nprocs=WORLD, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(args, store, results), nprocs=args.world, join=True, start_method="spawn")
     notes = ["ms: device time from CUDA events (median); ratios above 1 mean ours is faster"]
-    report("bench_parallel", results.get(), out=args.out, notes=notes, devices=WORLD)
+    report("bench_parallel", results.get(), out=args.out, notes=notes, devices=args.world)
     return 0
 
 

@@ -52,7 +52,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train(name: str, rank: int | None, world: int, device: torch.device) -> dict:
     """STEPS steps of config ``name``; rank None: one process on the whole batch, no DDP."""
-    from apex.amp._amp_state import _amp_state
+    from apex.amp import _amp_state  # as upstream exposes it
 
     options, make_optimizer = CONFIGS[name]
     model = make_model().to(device)

@@ -170,8 +170,10 @@ def autograd(forward: Callable, setup_context: Callable, backward: Callable, nam
     apply = function.apply
 
     def call(*args):
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in args):
-            return apply(*args)
+        if torch.is_grad_enabled():
+            for t in args:  # a loop, not any(<generator>): a few tenths of a microsecond per call
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    return apply(*args)
         return forward(*args)
 
     return call

@@ -1,23 +1,20 @@
-"""apex-normalization's dispatcher ops (namespace ``apex_normalization``): schemas, references, fakes, autograd.
+"""apex-normalization's dispatcher ops (namespace ``apex_normalization``) and their autograd.
 
 Three ops serve layer norm and RMS norm (``rms=True``), with or without affine parameters:
 
-- ``norm_forward(input, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype)``
-  returns ``(output, mean, rstd)``; ``mean`` is empty for RMS norm;
-- ``add_norm_forward(input, residual, ...)`` normalizes ``input + residual`` (rounded to the
-  input's dtype) and returns ``(output, residual_out, mean, rstd)``, ``residual_out`` being that sum;
-- ``norm_backward(grad_output, saved, weight, bias, mean, rstd, normalized_shape, rms,
-  memory_efficient, input_dtype, weight_grads, grad_residual_out)`` returns
-  ``(grad_input, grad_weight, grad_bias)``; gradients not computed come back as empty float32 tensors.
+- ``norm_forward`` returns ``(output, mean, rstd)``; ``mean`` is empty for RMS norm;
+- ``add_norm_forward`` normalizes ``input + residual`` (rounded to the input's dtype) and returns
+  ``(output, residual_out, mean, rstd)``, ``residual_out`` being that sum;
+- ``norm_backward`` returns ``(grad_input, grad_weight, grad_bias)``; gradients not computed come
+  back as empty float32 tensors. ``saved`` is the input (or the residual sum), or with
+  ``memory_efficient`` the output.
 
 Conventions: input float32, float16 or bfloat16, contiguous, its last dimensions equal to
 ``normalized_shape``; weight (and bias, layer norm only) of ``normalized_shape``, in the input's
 dtype or float32; the output in the input's dtype or, for the mixed-dtype modules, the weight's
-(``output_dtype``); ``mean``/``rstd`` float32 with the input's leading shape. ``memory_efficient``
-only changes what autograd saves: the output instead of the input. The forward ops carry their
-backward (``apex.core.library.register_autograd``); the math is in ``_reference.py``. The Python
-API calls them through ``call_norm_forward`` / ``call_add_norm_forward``: the same backward, less
-host time per eager call.
+(``output_dtype``); ``mean``/``rstd`` float32 with the input's leading shape. The math is in
+``_reference.py``. The ops carry no autograd formula: :data:`norm` is the differentiable caller
+that the Python API uses.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ import math
 import torch
 
 from apex.core import checks
-from apex.core.library import define, register_autograd
+from apex.core.library import autograd, op
 from apex.normalization import _reference
 from apex.normalization._plugin import KERNELS
 
@@ -50,7 +47,8 @@ def _check_normalized(op: str, name: str, t: torch.Tensor, normalized_shape) -> 
         raise ValueError(f"{op}: normalized_shape {tuple(normalized_shape)} has no elements")
 
 
-def _check_affine(op: str, input_dtype, device, weight, bias, normalized_shape, rms: bool) -> None:
+def _check_affine(a, input_dtype, device) -> None:
+    op, weight, bias, normalized_shape = a.op, a.weight, a.bias, a.normalized_shape
     if weight is not None:
         if weight.dtype not in (input_dtype, torch.float32):
             allowed = "float32" if input_dtype == torch.float32 else f"{str(input_dtype)[6:]} or float32"
@@ -63,7 +61,7 @@ def _check_affine(op: str, input_dtype, device, weight, bias, normalized_shape, 
             )
         checks.dense(op, "weight", weight, device)
     if bias is not None:
-        if rms:
+        if a.rms:
             raise ValueError(f"{op}: RMS norm takes no bias")
         if weight is None:
             raise ValueError(f"{op}: bias given without weight")
@@ -80,11 +78,12 @@ def _output_dtypes(input_dtype, weight) -> tuple:
     return (input_dtype,) if weight is None or weight.dtype == input_dtype else (input_dtype, weight.dtype)
 
 
-def check_forward(op, input, residual, weight, bias, normalized_shape, rms, output_dtype) -> torch.dtype:
-    """The forward ops' argument checks (metadata only); returns the output dtype."""
+def _check_forward(a, residual=None) -> None:
+    """norm_forward's checks, and add_norm_forward's with its residual; sets ``a.out_dtype``."""
+    op, input = a.op, a.input
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
-    _check_normalized(op, "input", input, normalized_shape)
+    _check_normalized(op, "input", input, a.normalized_shape)
     checks.dense(op, "input", input, input.device)
     if residual is not None:
         if residual.dtype != input.dtype:
@@ -92,26 +91,29 @@ def check_forward(op, input, residual, weight, bias, normalized_shape, rms, outp
         if tuple(residual.shape) != tuple(input.shape):
             raise ValueError(f"{op}: residual has shape {tuple(residual.shape)} but input has {tuple(input.shape)}")
         checks.dense(op, "residual", residual, input.device)
-    _check_affine(op, input.dtype, input.device, weight, bias, normalized_shape, rms)
-    allowed = _output_dtypes(input.dtype, weight)
-    if output_dtype is not None and output_dtype not in allowed:
+    _check_affine(a, input.dtype, input.device)
+    if a.output_dtype is not None and a.output_dtype not in _output_dtypes(input.dtype, a.weight):
         raise TypeError(
-            f"{op}: output_dtype {output_dtype} is neither the input's dtype ({input.dtype}) nor the weight's"
-            + ("" if weight is None else f" ({weight.dtype})")
+            f"{op}: output_dtype {a.output_dtype} is neither the input's dtype ({input.dtype}) nor the weight's"
+            + ("" if a.weight is None else f" ({a.weight.dtype})")
         )
-    return input.dtype if output_dtype is None else output_dtype
+    a.out_dtype = input.dtype if a.output_dtype is None else a.output_dtype
 
 
-def check_backward(
-    op, grad_output, saved, weight, bias, mean, rstd, normalized_shape, rms, memory_efficient, input_dtype, grad_res
-) -> None:
+def _check_add_forward(a) -> None:
+    _check_forward(a, a.residual)
+
+
+def _check_backward(a) -> None:
+    op, saved, grad_output = a.op, a.saved, a.grad_output
+    input_dtype, memory_efficient = a.input_dtype, a.memory_efficient
     if input_dtype not in FLOAT_DTYPES:
         raise TypeError(f"{op}: input_dtype is {input_dtype}; expected one of {_DTYPE_NAMES}")
-    _check_normalized(op, "saved", saved, normalized_shape)
+    _check_normalized(op, "saved", saved, a.normalized_shape)
     device = saved.device
     checks.dense(op, "saved", saved, device)
-    _check_affine(op, input_dtype, device, weight, bias, normalized_shape, rms)
-    allowed = _output_dtypes(input_dtype, weight)
+    _check_affine(a, input_dtype, device)
+    allowed = _output_dtypes(input_dtype, a.weight)
     if grad_output.dtype not in allowed:
         raise TypeError(
             f"{op}: grad_output has dtype {grad_output.dtype}; expected the output's dtype, one of "
@@ -124,14 +126,15 @@ def check_backward(
     if saved.dtype != expected_saved:
         what = "the output, like grad_output" if memory_efficient else "the input, input_dtype"
         raise TypeError(f"{op}: saved has dtype {saved.dtype}; expected {expected_saved} ({what})")
-    rows = math.prod(saved.shape[: saved.dim() - len(normalized_shape)])
-    stats = [("rstd", rstd)] + ([] if rms or memory_efficient else [("mean", mean)])
+    rows = math.prod(saved.shape[: saved.dim() - len(a.normalized_shape)])
+    stats = [("rstd", a.rstd)] + ([] if a.rms or memory_efficient else [("mean", a.mean)])
     for name, t in stats:
         if t.dtype != torch.float32:
             raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected float32")
         if t.numel() != rows:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, expected one per row ({rows})")
         checks.dense(op, name, t, device)
+    grad_res = a.grad_residual_out
     if grad_res is not None:
         if grad_res.dtype != input_dtype:
             raise TypeError(f"{op}: grad_residual_out has dtype {grad_res.dtype}; expected {input_dtype}")
@@ -142,243 +145,159 @@ def check_backward(
         checks.dense(op, "grad_residual_out", grad_res, device)
 
 
-def _lead(t: torch.Tensor, normalized_shape) -> tuple:
-    return tuple(t.shape[: t.dim() - len(normalized_shape)])
+# fakes -----------------------------------------------------------------------------------------
 
 
 def _empty_f32(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-# norm_forward ----------------------------------------------------------------------------------
+def _forward_fake(a):
+    input = a.input
+    lead = input.shape[: input.dim() - len(a.normalized_shape)]
+    mean = _empty_f32(input) if a.rms else input.new_empty(lead, dtype=torch.float32)
+    return input.new_empty(input.shape, dtype=a.out_dtype), mean, input.new_empty(lead, dtype=torch.float32)
 
-FORWARD_SCHEMA = (
+
+def _add_forward_fake(a):
+    out, mean, rstd = _forward_fake(a)
+    return out, torch.empty_like(a.input), mean, rstd
+
+
+def _backward_fake(a):
+    saved = a.saved
+    with_weight = a.weight_grads and a.weight is not None
+    grad_weight = torch.empty_like(a.weight) if with_weight else _empty_f32(saved)
+    grad_bias = torch.empty_like(a.bias) if with_weight and a.bias is not None else _empty_f32(saved)
+    return saved.new_empty(saved.shape, dtype=a.input_dtype), grad_weight, grad_bias
+
+
+# ops -------------------------------------------------------------------------------------------
+
+
+def _stats(input, mean, rstd):
+    return _empty_f32(input) if mean is None else mean.contiguous(), rstd.contiguous()
+
+
+@op(
+    KERNELS,
     "norm_forward(Tensor input, Tensor? weight, Tensor? bias, SymInt[] normalized_shape, float eps, bool rms, "
-    "bool memory_efficient=False, ScalarType? output_dtype=None) -> (Tensor output, Tensor mean, Tensor rstd)"
+    "ScalarType? output_dtype=None) -> (Tensor output, Tensor mean, Tensor rstd)",
+    check=_check_forward,
+    fake=_forward_fake,
 )
-
-
-def _forward_reference(input, weight, bias, normalized_shape, eps, rms, memory_efficient=False, output_dtype=None):
-    dtype = check_forward("norm_forward", input, None, weight, bias, normalized_shape, rms, output_dtype)
-    out, _, mean, rstd = _reference.norm_forward(input, weight, bias, len(normalized_shape), eps, rms, dtype)
-    return out.contiguous(), _empty_f32(input) if mean is None else mean.contiguous(), rstd.contiguous()
-
-
-def _empty_forward_outputs(input, normalized_shape, rms, dtype):
-    lead = _lead(input, normalized_shape)
-    mean = _empty_f32(input) if rms else input.new_empty(lead, dtype=torch.float32)
-    return input.new_empty(input.shape, dtype=dtype), mean, input.new_empty(lead, dtype=torch.float32)
-
-
-def _forward_fake(input, weight, bias, normalized_shape, eps, rms, memory_efficient=False, output_dtype=None):
-    dtype = check_forward("norm_forward", input, None, weight, bias, normalized_shape, rms, output_dtype)
-    return _empty_forward_outputs(input, normalized_shape, rms, dtype)
-
-
-norm_forward = define(KERNELS, FORWARD_SCHEMA, _forward_reference, _forward_fake)
-
-
-# add_norm_forward ------------------------------------------------------------------------------
-
-ADD_FORWARD_SCHEMA = (
-    "add_norm_forward(Tensor input, Tensor residual, Tensor? weight, Tensor? bias, SymInt[] normalized_shape, "
-    "float eps, bool rms, bool memory_efficient=False, ScalarType? output_dtype=None) -> "
-    "(Tensor output, Tensor residual_out, Tensor mean, Tensor rstd)"
-)
-
-
-def _add_forward_reference(
-    input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient=False, output_dtype=None
-):
-    dtype = check_forward("add_norm_forward", input, residual, weight, bias, normalized_shape, rms, output_dtype)
-    out, total, mean, rstd = _reference.norm_forward(
-        input, weight, bias, len(normalized_shape), eps, rms, dtype, residual=residual
+def norm_forward(a):
+    out, _, mean, rstd = _reference.norm_forward(
+        a.input, a.weight, a.bias, len(a.normalized_shape), a.eps, a.rms, a.out_dtype
     )
-    mean = _empty_f32(input) if mean is None else mean.contiguous()
-    return out.contiguous(), total.contiguous(), mean, rstd.contiguous()
+    return out.contiguous(), *_stats(a.input, mean, rstd)
 
 
-def _add_forward_fake(
-    input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient=False, output_dtype=None
-):
-    dtype = check_forward("add_norm_forward", input, residual, weight, bias, normalized_shape, rms, output_dtype)
-    out, mean, rstd = _empty_forward_outputs(input, normalized_shape, rms, dtype)
-    return out, torch.empty_like(input), mean, rstd
+@op(
+    KERNELS,
+    "add_norm_forward(Tensor input, Tensor residual, Tensor? weight, Tensor? bias, SymInt[] normalized_shape, "
+    "float eps, bool rms, ScalarType? output_dtype=None) -> "
+    "(Tensor output, Tensor residual_out, Tensor mean, Tensor rstd)",
+    check=_check_add_forward,
+    fake=_add_forward_fake,
+)
+def add_norm_forward(a):
+    out, total, mean, rstd = _reference.norm_forward(
+        a.input, a.weight, a.bias, len(a.normalized_shape), a.eps, a.rms, a.out_dtype, a.residual
+    )
+    return out.contiguous(), total.contiguous(), *_stats(a.input, mean, rstd)
 
 
-add_norm_forward = define(KERNELS, ADD_FORWARD_SCHEMA, _add_forward_reference, _add_forward_fake)
-
-
-# norm_backward ---------------------------------------------------------------------------------
-
-BACKWARD_SCHEMA = (
+@op(
+    KERNELS,
     "norm_backward(Tensor grad_output, Tensor saved, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
     "SymInt[] normalized_shape, bool rms, bool memory_efficient, ScalarType input_dtype, bool weight_grads=True, "
-    "Tensor? grad_residual_out=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)"
+    "Tensor? grad_residual_out=None) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)",
+    check=_check_backward,
+    fake=_backward_fake,
 )
-
-
-def _backward_reference(
-    grad_output,
-    saved,
-    weight,
-    bias,
-    mean,
-    rstd,
-    normalized_shape,
-    rms,
-    memory_efficient,
-    input_dtype,
-    weight_grads=True,
-    grad_residual_out=None,
-):
-    check_backward(
-        "norm_backward",
-        grad_output,
-        saved,
-        weight,
-        bias,
-        mean,
-        rstd,
-        normalized_shape,
-        rms,
-        memory_efficient,
-        input_dtype,
-        grad_residual_out,
-    )
+def norm_backward(a):
     grad_input, grad_weight, grad_bias = _reference.norm_backward(
-        grad_output,
-        saved,
-        weight,
-        bias,
-        None if rms or memory_efficient else mean,
-        rstd,
-        len(normalized_shape),
-        rms,
-        memory_efficient,
-        input_dtype,
-        weight_grads,
-        grad_residual_out,
+        a.grad_output,
+        a.saved,
+        a.weight,
+        a.bias,
+        None if a.rms or a.memory_efficient else a.mean,
+        a.rstd,
+        len(a.normalized_shape),
+        a.rms,
+        a.memory_efficient,
+        a.input_dtype,
+        a.weight_grads,
+        a.grad_residual_out,
     )
     return (
         grad_input.contiguous(),
-        _empty_f32(saved) if grad_weight is None else grad_weight.contiguous(),
-        _empty_f32(saved) if grad_bias is None else grad_bias.contiguous(),
+        _empty_f32(a.saved) if grad_weight is None else grad_weight.contiguous(),
+        _empty_f32(a.saved) if grad_bias is None else grad_bias.contiguous(),
     )
-
-
-def _backward_fake(
-    grad_output,
-    saved,
-    weight,
-    bias,
-    mean,
-    rstd,
-    normalized_shape,
-    rms,
-    memory_efficient,
-    input_dtype,
-    weight_grads=True,
-    grad_residual_out=None,
-):
-    check_backward(
-        "norm_backward",
-        grad_output,
-        saved,
-        weight,
-        bias,
-        mean,
-        rstd,
-        normalized_shape,
-        rms,
-        memory_efficient,
-        input_dtype,
-        grad_residual_out,
-    )
-    grad_input = saved.new_empty(saved.shape, dtype=input_dtype)
-    with_weight = weight_grads and weight is not None
-    grad_weight = torch.empty_like(weight) if with_weight else _empty_f32(saved)
-    grad_bias = torch.empty_like(bias) if with_weight and bias is not None else _empty_f32(saved)
-    return grad_input, grad_weight, grad_bias
-
-
-norm_backward = define(KERNELS, BACKWARD_SCHEMA, _backward_reference, _backward_fake)
 
 
 # autograd --------------------------------------------------------------------------------------
+# One differentiable caller for both forward ops, without a residual (None) or with one:
+# norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype).
 
 
-def _save_for_backward(ctx, normalized, output, weight, bias, mean, rstd, normalized_shape, rms, memory_efficient):
+def _forward(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype):
+    if residual is None:
+        return norm_forward(input, weight, bias, normalized_shape, eps, rms, output_dtype)
+    return add_norm_forward(input, residual, weight, bias, normalized_shape, eps, rms, output_dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    """What backward needs: the normalized tensor (the input, or the residual sum) and the
+    statistics (mean is empty for RMS norm); with memory_efficient the output instead, and rstd
+    alone (the normalized values come back from the output), so that autograd holds neither the
+    input nor the means."""
+    input, residual, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
+    if residual is None:
+        out, mean, rstd = output
+        normalized = input
+    else:
+        out, normalized, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
-    saved = output if memory_efficient else normalized
-    keep_mean = not (rms or memory_efficient)
-    ctx.save_for_backward(saved, weight, bias, mean if keep_mean else None, rstd)
-    ctx.normalized_shape = tuple(normalized_shape)
-    ctx.rms = rms
-    ctx.memory_efficient = memory_efficient
-    ctx.input_dtype = normalized.dtype
+    if memory_efficient:
+        ctx.save_for_backward(out, weight, bias, None, rstd)
+    else:
+        ctx.save_for_backward(normalized, weight, bias, mean, rstd)
+    ctx.config = (normalized_shape, rms, memory_efficient, input.dtype, residual is not None)
 
 
-def _grads(ctx, grad_output, grad_residual_out, weight_index: int):
-    """(grad_input, grad_weight, grad_bias) of a forward op whose weight is input ``weight_index``."""
+def _backward(ctx, grad_output, *grads):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
+    normalized_shape, rms, memory_efficient, input_dtype, with_residual = ctx.config
+    grad_residual_out = grads[0] if with_residual else None  # grads: that of residual_out (if any), mean, rstd
+    needs = ctx.needs_input_grad
     if grad_output is None:  # only the residual sum was used
-        return grad_residual_out, None, None
-    needs = ctx.needs_input_grad
-    weight_grads = weight is not None and (needs[weight_index] or (bias is not None and needs[weight_index + 1]))
-    grad_input, grad_weight, grad_bias = norm_backward(
-        grad_output.contiguous(),
-        saved,
-        weight,
-        bias,
-        rstd.new_empty((0,)) if mean is None else mean,
-        rstd,
-        ctx.normalized_shape,
-        ctx.rms,
-        ctx.memory_efficient,
-        ctx.input_dtype,
-        weight_grads,
-        None if grad_residual_out is None else grad_residual_out.contiguous(),
-    )
-    if not weight_grads:
-        return grad_input, None, None
-    return grad_input, grad_weight, grad_bias if bias is not None else None
+        grad_input, grad_weight, grad_bias = grad_residual_out, None, None
+    else:
+        weight_grads = weight is not None and (needs[2] or (bias is not None and needs[3]))
+        grad_input, grad_weight, grad_bias = norm_backward(
+            grad_output.contiguous(),
+            saved,
+            weight,
+            bias,
+            rstd.new_empty((0,)) if mean is None else mean,
+            rstd,
+            normalized_shape,
+            rms,
+            memory_efficient,
+            input_dtype,
+            weight_grads,
+            None if grad_residual_out is None else grad_residual_out.contiguous(),
+        )
+        if not weight_grads:
+            grad_weight = grad_bias = None
+        elif bias is None:
+            grad_bias = None
+    grad_residual = grad_input if with_residual and needs[1] else None
+    return grad_input if needs[0] else None, grad_residual, grad_weight, grad_bias, None, None, None, None, None
 
 
-def _forward_setup_context(ctx, inputs, output):
-    input, weight, bias, normalized_shape, _eps, rms, memory_efficient, _output_dtype = inputs
-    out, mean, rstd = output
-    _save_for_backward(ctx, input, out, weight, bias, mean, rstd, normalized_shape, rms, memory_efficient)
-
-
-def _forward_backward(ctx, grad_output, _grad_mean, _grad_rstd):
-    grad_input, grad_weight, grad_bias = _grads(ctx, grad_output, None, weight_index=1)
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None
-
-
-def _add_forward_setup_context(ctx, inputs, output):
-    _input, _residual, weight, bias, normalized_shape, _eps, rms, memory_efficient, _output_dtype = inputs
-    out, residual_out, mean, rstd = output
-    _save_for_backward(ctx, residual_out, out, weight, bias, mean, rstd, normalized_shape, rms, memory_efficient)
-
-
-def _add_forward_backward(ctx, grad_output, grad_residual_out, _grad_mean, _grad_rstd):
-    grad_sum, grad_weight, grad_bias = _grads(ctx, grad_output, grad_residual_out, weight_index=2)
-    needs = ctx.needs_input_grad
-    return (
-        grad_sum if needs[0] else None,
-        grad_sum if needs[1] else None,
-        grad_weight,
-        grad_bias,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
-
-
-# What the Python API calls: the ops, with less host time per eager call (see register_autograd).
-call_norm_forward = register_autograd(norm_forward, _forward_backward, _forward_setup_context)
-call_add_norm_forward = register_autograd(add_norm_forward, _add_forward_backward, _add_forward_setup_context)
+norm = autograd(_forward, _setup_context, _backward, "FusedNorm")

@@ -2,7 +2,7 @@
 
 Every function normalizes over the last ``len(normalized_shape)`` dimensions, keeps its
 statistics in float32 whatever the input dtype, and is differentiable in the input and the
-affine parameters (``torch.ops.apex_normalization.*`` with their registered backward).
+affine parameters (``torch.ops.apex_normalization.*``, differentiated by ``_ops.norm``).
 
 - ``fused_*`` functions return the input's dtype; their weight (and bias) may be in the
   input's dtype or float32.
@@ -29,39 +29,37 @@ from apex.normalization import _ops
 
 
 def normalized_shape_tuple(normalized_shape) -> tuple:
-    if isinstance(normalized_shape, numbers.Integral):
+    if isinstance(normalized_shape, tuple):  # torch.Size too, as the modules pass it
+        return normalized_shape
+    if isinstance(normalized_shape, (int, numbers.Integral)):  # int first: cheaper than the ABC check
         return (int(normalized_shape),)
     return tuple(normalized_shape)
 
 
-def _autocast_and_contiguous(*tensors):
-    first = tensors[0]
-    device_type = first.device.type
+def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, mixed):
+    device_type = "cuda" if input.is_cuda else input.device.type  # input.device builds a torch.device per call
     # is_autocast_available is not traceable by dynamo (torch 2.11); a compiled graph only runs on
     # devices that have autocast anyway.
     available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
-    autocast = available and torch.is_autocast_enabled(device_type)
-    dtype = torch.get_autocast_dtype(device_type) if autocast else None
-    result = []
-    for t in tensors:
-        if t is not None:
-            if dtype is not None and t.is_floating_point():
-                t = t.to(dtype)
-            t = t.contiguous()
-        result.append(t)
-    return result
-
-
-def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, mixed):
-    input, residual, weight, bias = _autocast_and_contiguous(input, residual, weight, bias)
+    if available and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        input, residual, weight, bias = (
+            t.to(dtype) if t is not None and t.is_floating_point() else t for t in (input, residual, weight, bias)
+        )
+    # Written out rather than looped: this runs on every eager call, whose host time it adds to.
+    input = input.contiguous()
+    if residual is not None:
+        residual = residual.contiguous()
+    output_dtype = None
+    if weight is not None:
+        weight = weight.contiguous()
+        if mixed:
+            output_dtype = weight.dtype
+    if bias is not None:
+        bias = bias.contiguous()
     shape = normalized_shape_tuple(normalized_shape)
-    output_dtype = weight.dtype if mixed and weight is not None else None
-    if residual is None:
-        return _ops.call_norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
-    out, residual_out, _, _ = _ops.call_add_norm_forward(
-        input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype
-    )
-    return out, residual_out
+    outputs = _ops.norm(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
+    return outputs[0] if residual is None else (outputs[0], outputs[1])
 
 
 def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):

@@ -10,13 +10,13 @@
 // registers (two per element held would not fit next to the row at 1024 threads per block).
 // The grid is persistent (as many blocks as fit at once), so the partial buffer has few rows;
 // at the end a block adds its groups' accumulators in group order into its partial row. Launched
-// cooperatively (the default where the device allows), the grid then waits for every block's row
+// cooperatively (where the device allows), the grid then waits for every block's row
 // (grid.sync()) and adds the partial rows up itself, from L2; otherwise sum_partials does, a
 // second kernel. Where blocks walk over several tiles and shared memory allows, the next tile's
 // rows are copied in (cp.async) while a tile is reduced and written. Rows that fill their
 // threads exactly (long rows: every thread holds its 4 vectors, rows a multiple of the groups,
-// with a weight) take kernels without per-vector checks (kWhole): at 4096x16384 bf16 on the H200,
-// layer norm backward 140 -> 124 us.
+// with a weight) take kernels without per-vector checks (kWhole; faster, benchmarks/NOTES.md).
+// plan_backward, beside the launch, makes these choices.
 // Traffic per 16-bit element: read x and dy, write dx, 6 bytes, plus 8 bytes per column per
 // block for the partials. Anything else goes to norm_backward_streaming.cu.
 #include <ATen/core/Tensor.h>
@@ -24,6 +24,7 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -36,23 +37,14 @@ namespace {
 constexpr int kBackwardVecs = 2;
 // Rows of at least kLongRowVectors vectors (8192 16-bit elements) take kLongRowVecs vectors per
 // thread in blocks of at most 512 threads, with the next tile's copies issued before the row
-// reduction rather than after. Fwd+bwd bf16 on the H200 against 2 vectors per thread (same
-// call): layer norm 8192x8192 0.2228 -> 0.2148-0.2167 ms, 4096x16384 0.2348 -> 0.2240-0.2259;
-// RMS norm ties. Either change alone gained nothing; at hidden 4096 and less the pair loses
-// (fewer warps per row, more partial rows).
+// reduction rather than after: layer norm gains (benchmarks/NOTES.md), RMS norm ties. Either
+// change alone gained nothing; at hidden 4096 and less the pair loses (fewer warps per row,
+// more partial rows).
 constexpr int kLongRowVecs = 4;
 constexpr int64_t kLongRowVectors = 1024;
 // Threads per block: several row groups per block keep the number of partial rows low (256 and
-// 1024 measured no faster on the H200).
+// 1024 measured no faster).
 constexpr int kBackwardBlock = 512;
-
-// APEX_NORM_BWD_PREFETCH=0 turns off the copy of the next tile's rows into shared memory while
-// a tile is processed (tuning switch; unset or 1: on when blocks walk over several tiles and the
-// copies fit).
-inline bool backward_prefetch() {
-  static const bool on = env_int("APEX_NORM_BWD_PREFETCH", 1) != 0;
-  return on;
-}
 
 // The column sums of a row group live in its region of shared memory, [2][hidden] floats (weight,
 // then bias), each half stored as planes of float4: piece q (columns 4q..4q+3) of vector v at
@@ -291,7 +283,7 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
   constexpr int kPiecesO = sizeof(Vec<O, kV>) / 16;
   constexpr bool kEarly = kVecs == kLongRowVecs;  // see kLongRowVecs
   // See xhat_and_wdy. Not for 2 vectors per thread: at their 64 registers it spilled (40 bytes of
-  // stack for bfloat16), and layer norm 16384x4096 fwd+bwd took 0.2255 ms, not 0.2009.
+  // stack for bfloat16), and was slower (benchmarks/NOTES.md).
   constexpr bool kFma = sizeof(S) == 2 && kVecs == kLongRowVecs;
   __shared__ float scratch[2 * 2 * (kMaxThreads / kWarp)];  // group_sum: two buffers of two sums per warp
   int turn = 0;
@@ -338,8 +330,8 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
           unstage(xs[k], staged_saved + v * kPiecesS);
           unstage(dys[k], staged_dy + v * kPiecesO);
         } else {
-          xs[k] = load_vec<S, kV>(p.saved + offset + v * kV);
-          dys[k] = load_vec<O, kV>(p.grad_output + offset + v * kV);
+          xs[k] = load_vector<S, kV>(p.saved + offset + v * kV);
+          dys[k] = load_vector<O, kV>(p.grad_output + offset + v * kV);
         }
       }
     }
@@ -400,8 +392,8 @@ __global__ void __launch_bounds__(kMaxThreads * kBackwardVecs / kVecs, 1)
 // grad[col] = sum over parts of partial[part, col], in a fixed order. Blocks of kSumRows x 32
 // threads, each thread kColumns adjacent columns (one 16-byte load for 4); blockIdx.y 0: weight,
 // 1: bias. A thread adds every kSumRows-th part into kChains separate sums, so that its loads are
-// in flight together (with one chain and one column per thread: 11.4 us for the 132 x 16384
-// partials of 4096x16384 bf16 on the H200).
+// in flight together (one chain and one column per thread was slower:
+// benchmarks/NOTES.md).
 constexpr int kSumRows = 8;
 template <typename W, int kColumns>
 __global__ void __launch_bounds__(kSumRows * kWarp)
@@ -446,54 +438,72 @@ __global__ void __launch_bounds__(kSumRows * kWarp)
   }
 }
 
-// APEX_NORM_BWD_FINISH=0: the weight gradients always by sum_partials, a second kernel (tests
-// and tuning); unset or 1: by the backward kernel itself, launched cooperatively, where the
-// device supports cooperative launches.
-inline bool finish_in_kernel() {
-  static const bool on = env_int("APEX_NORM_BWD_FINISH", 1) != 0;
-  if (!on) return false;
-  static std::mutex mutex;
-  static std::map<int, bool> supported;
-  const int device = at::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto found = supported.find(device);
-  if (found != supported.end()) return found->second;
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, cudaDevAttrCooperativeLaunch, device));
-  return supported.emplace(device, value != 0).first->second;
+template <typename T, typename W, typename O, bool kEfficient, typename S = std::conditional_t<kEfficient, O, T>>
+using BackwardKernelFn = void (*)(BackwardParams<T, W, O, S>);
+
+struct BackwardPlan {
+  int vecs;               // vectors per thread: kBackwardVecs, or kLongRowVecs for long rows
+  bool whole;             // kWhole
+  bool prefetch;          // kPrefetch
+  bool finish_in_kernel;  // a cooperative launch that sums the partial rows itself; else sum_partials
+  int group_threads;
+  int block;
+  int64_t grid;
+  size_t smem;  // dynamic shared memory per block
+};
+
+// The instantiation of backward_in_registers that a plan names. Whole rows (kWhole) are built for
+// the long rows only (hidden a multiple of 1024 16-bit elements; the common case there). At 2
+// vectors per thread, 64 registers, ptxas spilled them (16 bytes of stack for bfloat16 with
+// bfloat16 weights, against none). Not memory_efficient either: with float32 weights it spilled
+// twice as much (80 bytes of stack, not 40).
+template <typename T, typename W, typename O, bool kEfficient>
+BackwardKernelFn<T, W, O, kEfficient> backward_kernel(const BackwardPlan& plan) {
+  if (plan.vecs == kLongRowVecs) {
+    if constexpr (!kEfficient) {
+      if (plan.whole) {
+        return plan.prefetch ? backward_in_registers<T, W, O, false, true, kLongRowVecs, true>
+                             : backward_in_registers<T, W, O, false, false, kLongRowVecs, true>;
+      }
+    }
+    return plan.prefetch ? backward_in_registers<T, W, O, kEfficient, true, kLongRowVecs, false>
+                         : backward_in_registers<T, W, O, kEfficient, false, kLongRowVecs, false>;
+  }
+  return plan.prefetch ? backward_in_registers<T, W, O, kEfficient, true, kBackwardVecs, false>
+                       : backward_in_registers<T, W, O, kEfficient, false, kBackwardVecs, false>;
 }
 
-// APEX_NORM_BWD_VECS=2 or 4 makes every row take that many vectors per thread (tests and
-// tuning); unset: kLongRowVecs for rows of at least kLongRowVectors vectors, else kBackwardVecs.
-inline int backward_vecs_switch() {
-  static const int v = env_int("APEX_NORM_BWD_VECS", 0);
-  return v;
-}
-
-// APEX_NORM_BWD_WHOLE=0 keeps rows that fill their groups exactly on the checked kernels (tests and
-// tuning); unset or 1: such rows take the kWhole kernels.
-inline bool backward_whole_switch() {
-  static const bool on = env_int("APEX_NORM_BWD_WHOLE", 1) != 0;
-  return on;
-}
-
-template <typename T, typename W, typename O, bool kEfficient, int kVecs,
-          typename S = std::conditional_t<kEfficient, O, T>>
-bool backward_registers_vecs(const BackwardArgs& a) {
+// How backward_in_registers takes the problem p describes on the current device, or nothing when
+// it cannot (misaligned rows, hidden not whole vectors, rows longer than the registers hold, or
+// column accumulators larger than a block's shared memory): norm_backward_streaming.cu then does.
+// Also sets the dynamic shared memory attributes of the kernels it weighs.
+// - vecs: kLongRowVecs for rows of at least kLongRowVectors vectors, else kBackwardVecs.
+// - whole: rows that fill their groups exactly, every tile full, with a weight (see
+//   backward_kernel for the instantiations built).
+// - prefetch: where blocks walk over several tiles (more tiles than the grid holds at once) and
+//   the copies fit next to the accumulators.
+// - grid: as many blocks as are resident at once, at most one per tile. The driver's carveout,
+//   not the largest: the largest leaves L1 only 28 KiB, and was slower (benchmarks/NOTES.md).
+// - finish_in_kernel: weight gradients asked for, the accumulators large enough for
+//   finish_column_sums' scratch, and a device that supports cooperative launches.
+template <typename T, typename W, typename O, bool kEfficient, typename S>
+std::optional<BackwardPlan> plan_backward(const BackwardParams<T, W, O, S>& p, bool weight_grads, bool bias_grads) {
   constexpr int kV = apex::vector_width<T, W, O, S>();
-  auto p = backward_params<T, W, O, S>(a);
   const bool aligned = aligned16(p.grad_output) && aligned16(p.saved) && aligned16(p.weight) && aligned16(p.bias) &&
                        aligned16(p.grad_residual) && aligned16(p.grad_input);
   const int64_t vectors = p.hidden / kV;
-  if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) return false;
+  if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kBackwardVecs) {
+    return std::nullopt;
+  }
 
-  p.group_threads = group_threads_for(vectors, kVecs);
-  const int groups = p.group_threads <= kWarp
-                         ? kBackwardBlock / p.group_threads
-                         : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / p.group_threads));
-  const int block = p.group_threads * groups;
-  const bool weight_grads = a.grad_weight != nullptr;
-  const size_t sums_per_column = a.grad_bias != nullptr ? 2 : 1;
+  BackwardPlan plan{};
+  plan.vecs = vectors >= kLongRowVectors ? kLongRowVecs : kBackwardVecs;
+  plan.group_threads = group_threads_for(vectors, plan.vecs);
+  const int groups = plan.group_threads <= kWarp
+                         ? kBackwardBlock / plan.group_threads
+                         : std::max(1, std::min(kMaxBarrierGroups, kBackwardBlock / plan.group_threads));
+  plan.block = plan.group_threads * groups;
+  const size_t sums_per_column = bias_grads ? 2 : 1;
   const size_t accumulator_bytes = weight_grads ? sums_per_column * groups * p.hidden * sizeof(float) : 0;
   const size_t staged_bytes = static_cast<size_t>(groups) * vectors * (sizeof(Vec<S, kV>) + sizeof(Vec<O, kV>));
   // 128 KiB of accumulators for the longest rows (plus the static reduction scratch): more than
@@ -501,83 +511,82 @@ bool backward_registers_vecs(const BackwardArgs& a) {
   // come on top where they fit (192 KiB at 16384 bf16).
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
   const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-  if (accumulator_bytes + static_smem > limit) return false;
-  // Whole rows (kWhole) are built for the long rows only (hidden a multiple of 1024 16-bit
-  // elements; the common case there). At 2 vectors per thread, 64 registers, ptxas spilled them
-  // (16 bytes of stack for bfloat16 with bfloat16 weights, against none). Not memory_efficient
-  // either: with float32 weights it spilled twice as much (80 bytes of stack, not 40).
-  constexpr bool kWholeBuilt = kVecs == kLongRowVecs && !kEfficient;
-  const bool whole = kWholeBuilt && backward_whole_switch() && p.weight != nullptr &&
-                     vectors == static_cast<int64_t>(p.group_threads) * kVecs && p.rows % groups == 0;
-  const auto plain = whole ? backward_in_registers<T, W, O, kEfficient, false, kVecs, kWholeBuilt>
-                           : backward_in_registers<T, W, O, kEfficient, false, kVecs, false>;
-  const auto prefetching = whole ? backward_in_registers<T, W, O, kEfficient, true, kVecs, kWholeBuilt>
-                                 : backward_in_registers<T, W, O, kEfficient, true, kVecs, false>;
+  if (accumulator_bytes + static_smem > limit) return std::nullopt;
+  plan.whole = !kEfficient && plan.vecs == kLongRowVecs && p.weight != nullptr &&
+               vectors == static_cast<int64_t>(plan.group_threads) * plan.vecs && p.rows % groups == 0;
+
   const int64_t tiles = ceil_div(p.rows, static_cast<int64_t>(groups));
-  // The driver's carveout, not the largest: blocks of 64 KiB at 16384x4096 bf16 take 0.240 ms
-  // fwd+bwd with it and 0.261 ms with the largest, which leaves L1 only 28 KiB.
-  auto resident = [&](auto kernel, size_t smem) {
-    allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, /*max_shared_carveout=*/false);
-    return static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, smem);
+  auto resident = [&](size_t smem) {
+    const void* kernel = reinterpret_cast<const void*>(backward_kernel<T, W, O, kEfficient>(plan));
+    allow_dynamic_smem(kernel, smem, /*max_shared_carveout=*/false);
+    return static_cast<int64_t>(sm_count()) * resident_blocks(kernel, plan.block, smem);
   };
-  size_t smem = accumulator_bytes;
-  bool prefetch = false;
-  int64_t grid = 0;
-  if (backward_prefetch() && accumulator_bytes + staged_bytes + static_smem <= limit) {
-    grid = resident(prefetching, accumulator_bytes + staged_bytes);
-    prefetch = tiles > grid;
-    if (prefetch) smem += staged_bytes;
+  plan.smem = accumulator_bytes;
+  plan.prefetch = accumulator_bytes + staged_bytes + static_smem <= limit;
+  if (plan.prefetch) {
+    plan.grid = resident(accumulator_bytes + staged_bytes);  // of the prefetching kernel
+    plan.prefetch = tiles > plan.grid;
   }
-  if (!prefetch) grid = resident(plain, smem);
-  grid = std::min(grid, tiles);
+  if (plan.prefetch) {
+    plan.smem += staged_bytes;
+  } else {
+    plan.grid = resident(plan.smem);
+  }
+  plan.grid = std::min(plan.grid, tiles);
+
+  // finish_column_sums' scratch: two sums of lanes x 128 floats; the accumulators hold it as a
+  // rule (more than 8 floats per thread), else the partial rows go to sum_partials.
+  const size_t finish_scratch = 2 * static_cast<size_t>(plan.block / kWarp) * 4 * kWarp * sizeof(float);
+  plan.finish_in_kernel =
+      weight_grads && plan.smem >= finish_scratch && device_attribute(cudaDevAttrCooperativeLaunch) != 0;
+  return plan;
+}
+
+template <typename T, typename W, typename O, bool kEfficient>
+bool backward_registers(const BackwardArgs& a) {
+  using S = std::conditional_t<kEfficient, O, T>;
+  auto p = backward_params<T, W, O, S>(a);
+  const bool weight_grads = a.grad_weight != nullptr;
+  const std::optional<BackwardPlan> plan = plan_backward<T, W, O, kEfficient>(p, weight_grads, a.grad_bias != nullptr);
+  if (!plan) return false;
+  p.group_threads = plan->group_threads;
 
   at::Tensor partial_weight, partial_bias;
   if (weight_grads) {
     const auto f32 = a.saved->options().dtype(at::kFloat);
-    partial_weight = at::empty({grid, p.hidden}, f32);
+    partial_weight = at::empty({plan->grid, p.hidden}, f32);
     p.partial_weight = partial_weight.data_ptr<float>();
     if (a.grad_bias != nullptr) {
-      partial_bias = at::empty({grid, p.hidden}, f32);
+      partial_bias = at::empty({plan->grid, p.hidden}, f32);
       p.partial_bias = partial_bias.data_ptr<float>();
     }
   }
-  const auto kernel = prefetch ? prefetching : plain;
+  const auto kernel = backward_kernel<T, W, O, kEfficient>(*plan);
   const auto stream = at::cuda::getCurrentCUDAStream();
-  // finish_column_sums' scratch: two sums of lanes x 128 floats; the accumulators hold it as a
-  // rule (more than 8 floats per thread), else the block asks for that much.
-  const size_t finish_scratch = 2 * static_cast<size_t>(block / kWarp) * 4 * kWarp * sizeof(float);
-  if (weight_grads && smem >= finish_scratch && finish_in_kernel()) {
+  const dim3 grid(static_cast<unsigned>(plan->grid));
+  if (plan->finish_in_kernel) {
     p.grad_weight = static_cast<W*>(a.grad_weight->data_ptr());
     p.grad_bias = a.grad_bias != nullptr ? static_cast<W*>(a.grad_bias->data_ptr()) : nullptr;
     void* args[] = {&p};
-    const cudaError_t launched = cudaLaunchCooperativeKernel(
-        reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(grid)), dim3(block), args, smem, stream);
+    const cudaError_t launched = cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(kernel), grid,
+                                                             dim3(plan->block), args, plan->smem, stream);
     if (launched == cudaSuccess) return true;
     // A grid that cannot be resident at once here (fewer multiprocessors than the occupancy
     // calculation counted, as under MPS limits): the second-kernel sums, with a warning.
     TORCH_CHECK(launched == cudaErrorCooperativeLaunchTooLarge || launched == cudaErrorNotSupported,
                 "norm_backward: cooperative launch failed: ", cudaGetErrorString(launched));
     (void)cudaGetLastError();
-    TORCH_WARN_ONCE("norm_backward: the cooperative launch of ", grid, " blocks was refused (",
+    TORCH_WARN_ONCE("norm_backward: the cooperative launch of ", plan->grid, " blocks was refused (",
                     cudaGetErrorString(launched), "); weight gradients are summed by a second kernel");
     p.grad_weight = nullptr;
     p.grad_bias = nullptr;
   }
-  kernel<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
+  kernel<<<grid, plan->block, plan->smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (weight_grads) {
     sum_partials(partial_weight, a.grad_bias != nullptr ? &partial_bias : nullptr, *a.grad_weight, a.grad_bias);
   }
   return true;
-}
-
-template <typename T, typename W, typename O, bool kEfficient>
-bool backward_registers(const BackwardArgs& a) {
-  constexpr int kV = apex::vector_width<T, W, O, std::conditional_t<kEfficient, O, T>>();
-  const int forced = backward_vecs_switch();
-  const bool long_rows = forced == 0 ? a.hidden / kV >= kLongRowVectors : forced == kLongRowVecs;
-  if (long_rows) return backward_registers_vecs<T, W, O, kEfficient, kLongRowVecs>(a);
-  return backward_registers_vecs<T, W, O, kEfficient, kBackwardVecs>(a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(

@@ -1,6 +1,7 @@
 // Shared by the layer norm / RMS norm kernels of apex-normalization: argument checks worded like
 // apex/normalization/_ops.py, the dtype combinations the kernels are built for, row groups and
-// their reductions, and launch helpers. The math is specified by apex/normalization/_reference.py.
+// their reductions, and the threads a row takes. The math is specified by
+// apex/normalization/_reference.py.
 //
 // Rows and row groups. A row (the last dimensions of the input, `hidden` elements) is handled by
 // a group of threads: a power of two of at most 32 lanes (several rows per warp, reductions by
@@ -23,14 +24,11 @@
 #include <c10/util/accumulate.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <string>
-#include <tuple>
 #include <type_traits>
 
+#include <apex/async_copy.cuh>
 #include <apex/checks.h>
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
@@ -134,55 +132,18 @@ void dispatch_norm_types(const char* op, c10::ScalarType input, c10::ScalarType 
 template <typename T, int N>
 using Vec = apex::AlignedVector<T, N>;
 
-template <typename T, int N>
-__device__ __forceinline__ Vec<T, N> load_vec(const T* p) {
-  return *reinterpret_cast<const Vec<T, N>*>(p);
-}
+using apex::aligned16;
+using apex::load_floats;
+using apex::load_vector;
+using apex::store_floats;
+using apex::store_vector_plain;
+using apex::to_floats;
 
-template <int N, typename T>
-__device__ __forceinline__ void to_floats(float (&dst)[N], const Vec<T, N>& v) {
-#pragma unroll
-  for (int j = 0; j < N; ++j) dst[j] = static_cast<float>(v.val[j]);
-}
-
-// bfloat16 pairs: the low element is the word shifted up, the high one the word with its low
-// half cleared; one instruction each (the generic conversion spends two on the high element).
-template <int N>
-__device__ __forceinline__ void to_floats(float (&dst)[N], const Vec<c10::BFloat16, N>& v) {
-  static_assert(N % 2 == 0, "whole 32-bit words");
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(&v);
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) {
-    dst[2 * i] = __uint_as_float(words[i] << 16);
-    dst[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-  }
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void load_floats(float (&dst)[N], const T* p) {
-  to_floats(dst, load_vec<T, N>(p));
-}
-
-// Stores whole 16-byte pieces as uint4, a native vector type: one 16-byte store each (a struct
-// assignment may be split). Unlike apex::store_vector this is an ordinary store, not an asm
-// statement with a memory clobber, so loads of other (restrict-qualified) arrays may move
-// above it.
-template <typename T, int N>
-__device__ __forceinline__ void store_vec(T* p, const Vec<T, N>& v) {
-  static_assert(sizeof(v) % 16 == 0, "whole 16-byte pieces");
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(v) / 16); ++i) {
-    reinterpret_cast<uint4*>(p)[i] = reinterpret_cast<const uint4*>(&v)[i];
-  }
-}
-
-template <int N, typename T>
-__device__ __forceinline__ void store_floats(T* p, const float (&src)[N]) {
-  Vec<T, N> v;
-#pragma unroll
-  for (int j = 0; j < N; ++j) v.val[j] = static_cast<T>(src[j]);
-  store_vec(p, v);
-}
+using apex::copy_async16;
+using apex::copy_async_commit;
+using apex::copy_async_wait;
+using apex::stage;
+using apex::unstage;
 
 // Row groups and their reductions -----------------------------------------------------------
 
@@ -263,88 +224,14 @@ __device__ __forceinline__ void group_sum(float (&v)[N], const Group& g, float* 
   }
 }
 
-// Asynchronous copies into shared memory (cp.async, 16 bytes each), used to fetch the next tile's
-// rows while the current one is reduced and written. Every thread copies exactly the vectors it
-// will read back itself, so no barrier is needed: waiting for its own copies is enough.
-__device__ __forceinline__ void copy_async16(void* smem, const void* gmem) {
-  const auto address = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(address), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most `kPending` of this thread's committed copy groups are still in flight.
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Copies a vector V (whole 16-byte pieces) into shared memory asynchronously (cp.async).
-template <typename V>
-__device__ __forceinline__ void stage(uint4* smem, const void* gmem) {
-  static_assert(sizeof(V) % 16 == 0, "whole 16-byte pieces");
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) {
-    copy_async16(smem + i, reinterpret_cast<const uint4*>(gmem) + i);
-  }
-}
-
-template <typename V>
-__device__ __forceinline__ void unstage(V& dst, const uint4* smem) {
-#pragma unroll
-  for (int i = 0; i < static_cast<int>(sizeof(V) / 16); ++i) reinterpret_cast<uint4*>(&dst)[i] = smem[i];
-}
-
-// An integer from the environment (tuning switches), or `fallback` when unset or empty.
-inline int env_int(const char* name, int fallback) {
-  const char* value = std::getenv(name);
-  return value == nullptr || value[0] == '\0' ? fallback : std::atoi(value);
-}
-
 // Launch helpers ----------------------------------------------------------------------------
 
+using apex::allow_dynamic_smem;
 using apex::ceil_div;
+using apex::device_attribute;
 using apex::next_power_of_two;
+using apex::resident_blocks;
 using apex::sm_count;
-
-inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Blocks of `threads` threads (and `smem` bytes of dynamic shared memory) that fit on one
-// multiprocessor of the current device at once; cached, as launches ask for it every call.
-inline int resident_blocks(const void* kernel, int threads, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int, size_t, int>, int> cache;
-  const int device = at::cuda::current_device();
-  const auto key = std::make_tuple(kernel, threads, smem, device);
-  const std::lock_guard<std::mutex> lock(mutex);
-  auto found = cache.find(key);
-  if (found != cache.end()) return found->second;
-  int blocks = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
-  blocks = blocks > 0 ? blocks : 1;
-  cache.emplace(key, blocks);
-  return blocks;
-}
-
-// Lets `kernel` use `bytes` of dynamic shared memory on the current device; the attribute is set
-// once per kernel, device and size. Always set, not only past 48 KiB: the default limit counts
-// the kernel's static shared memory too, so 48 KiB of dynamic memory alone can exceed it.
-// max_shared_carveout asks for the largest shared-memory carveout, so that as many blocks fit as
-// the occupancy calculation (resident_blocks) counted on; it also leaves the least L1 (28 KiB on
-// the H200). Without it the driver chooses.
-inline void allow_dynamic_smem(const void* kernel, size_t bytes, bool max_shared_carveout) {
-  if (bytes == 0) return;
-  static std::mutex mutex;
-  static std::map<std::tuple<const void*, int>, size_t> allowed;
-  const int device = at::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  size_t& current = allowed[std::make_tuple(kernel, device)];
-  if (current >= bytes) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  if (max_shared_carveout) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                        static_cast<int>(cudaSharedmemCarveoutMaxShared)));
-  }
-  current = bytes;
-}
 
 // Threads per row for a row held in registers: enough threads that each holds at most
 // `vecs_per_thread` vectors; a power of two up to a warp, else whole warps.

@@ -1,15 +1,16 @@
 // norm_forward and add_norm_forward: layer norm or RMS norm of each row, optionally of
 // input + residual, in one pass over memory. See _reference.norm_forward for the math.
 //
-// Two kernels:
+// Two kernels, chosen by plan_forward (beside launch_forward):
 // - forward_in_registers, when every row is 16-byte aligned and holds whole vectors (hidden a
 //   multiple of the vector width) and fits in registers (at most 1024 threads x kForwardVecs
 //   vectors: 32768 elements of 16-bit types, 16384 of float32). A row group (see
 //   norm_common.cuh) loads its row once into registers with 16-byte loads, reduces, and writes
 //   the output: 4 bytes of traffic per 16-bit element (6 with a residual, plus 2 for the sum).
 //   Layer norm statistics in two passes over the registers: the mean, then the sum of squared
-//   deviations from it (exact, no cancellation; two plain sums cost less than one Welford merge:
-//   16384x4096 bf16 0.119 -> 0.094 ms on the H200); RMS norm: one sum of squares.
+//   deviations from it (exact, no cancellation; two plain sums cost less than one Welford merge,
+//   benchmarks/NOTES.md); RMS norm: one sum of squares. Four variants of it (see the kernel):
+//   plain, kSmallRows, kPrefetch, and kPrefetch with kHold.
 // - forward_streaming, for anything else (odd sizes, misaligned rows, longer rows): one block
 //   per row, a Welford pass over the row, then a pass that normalizes, re-reading the row
 //   (from L2 at these sizes).
@@ -17,7 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -33,17 +34,6 @@ constexpr int kForwardVecs = 4;
 constexpr int kSmallRowBlock = 256;
 // Most threads per block of the kernel that holds the weights in registers.
 constexpr int kHoldBlock = 512;
-
-// Whether the prefetching forward holds the weight and bias in registers (blocks of at most
-// kHoldBlock threads). By default where there are both: a row then re-reads twice its own bytes
-// of parameters from L2, and holding them takes layer norm bf16 forward on the H200 from
-// 0.0845-0.0857 to 0.0756-0.0777 ms at 16384x4096, 8192x8192 and 4096x16384 (the same call);
-// with a weight alone (RMS norm) the halved occupancy costs as much as it saves (0.0776-0.0794
-// against 0.0780-0.0816). APEX_NORM_FWD_HOLD=0 never holds, 2 always does (tests and tuning).
-inline bool hold_weights(bool has_bias) {
-  static const int mode = env_int("APEX_NORM_FWD_HOLD", 1);
-  return mode == 2 || (mode == 1 && has_bias);
-}
 
 template <typename T, typename W, typename O>
 struct ForwardParams {
@@ -160,13 +150,13 @@ __device__ __forceinline__ float squared_deviations(const Vec<T, kV> (&x)[kVecs]
 // while this tile is processed, so that loads stay in flight through the reductions.
 // kSmallRows: the one-wave kernel for rows of at most a warp's worth of vectors (blocks of
 // kSmallRowBlock threads, one tile each), compiled for that block size so that it has the
-// registers to hold the weight and bias before its stores (write_row). The 1024-thread kernel
-// issues each vector's weight load after the previous store: at 1024x1024 bf16, RMS 0.0041 ->
-// 0.0035 ms. Staging them once per block in shared memory rather than loading them per row
-// group: RMS 1024x1024 3.65 -> 3.26 us (the weight cold in L2, as the benchmark has it).
+// registers to hold the weight and bias before its stores (write_row): the 1024-thread kernel
+// issues each vector's weight load after the previous store, which a latency-bound problem pays
+// for. It stages them once per block in shared memory rather than loading them per row group,
+// which costs most when the weight is cold in L2 (as the benchmark has it).
 // kHold: the weight and bias vectors of a thread's columns are loaded once, at the start, and held
 // in registers for every row (blocks of at most kHoldBlock threads, for the registers; see
-// hold_weights).
+// plan_forward for when).
 template <typename T, typename W, typename O, int kVecs, bool kPrefetch, bool kSmallRows = false, bool kHold = false>
 __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : (kHold ? kHoldBlock : kMaxThreads))
     forward_in_registers(const ForwardParams<T, W, O> p) {
@@ -202,8 +192,8 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : (kHold ? kHoldBl
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int v = g.lane + k * g.threads;
-      if (v < vectors && p.weight != nullptr) weights[k] = load_vec<W, kV>(p.weight + v * kV);
-      if (v < vectors && p.bias != nullptr) biases[k] = load_vec<W, kV>(p.bias + v * kV);
+      if (v < vectors && p.weight != nullptr) weights[k] = load_vector<W, kV>(p.weight + v * kV);
+      if (v < vectors && p.bias != nullptr) biases[k] = load_vector<W, kV>(p.bias + v * kV);
     }
   }
   // Buffer b of source s for this group: staged + ((b * sources + s) * g.count + g.index) * vectors.
@@ -247,7 +237,7 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : (kHold ? kHoldBl
         if constexpr (kPrefetch) {
           *reinterpret_cast<uint4*>(&x[k]) = buffer(b, 0)[v];
         } else {
-          x[k] = load_vec<T, kV>(p.input + offset + v * kV);
+          x[k] = load_vector<T, kV>(p.input + offset + v * kV);
         }
       }
     }
@@ -262,13 +252,13 @@ __global__ void __launch_bounds__(kSmallRows ? kSmallRowBlock : (kHold ? kHoldBl
         if constexpr (kPrefetch) {
           *reinterpret_cast<uint4*>(&r) = buffer(b, 1)[v];
         } else {
-          r = load_vec<T, kV>(p.residual + at);
+          r = load_vector<T, kV>(p.residual + at);
         }
 #pragma unroll
         for (int j = 0; j < kV; ++j) {
           x[k].val[j] = static_cast<T>(static_cast<float>(x[k].val[j]) + static_cast<float>(r.val[j]));
         }
-        store_vec(p.residual_out + at, x[k]);
+        store_vector_plain(p.residual_out + at, x[k]);
       }
     }
 
@@ -425,76 +415,115 @@ __global__ void __launch_bounds__(kStreamingThreads) forward_streaming(const For
   }
 }
 
-// APEX_NORM_PREFETCH=0 never prefetches, 2 always does (tests and tuning); unset or 1: when a
-// block walks over more than one tile.
-inline int prefetch_mode() {
-  static const int mode = env_int("APEX_NORM_PREFETCH", 1);
-  return mode;
+enum class ForwardKernel { kStreaming, kPlain, kSmallRows, kPrefetch, kHold };
+
+template <typename T, typename W, typename O>
+using ForwardKernelFn = void (*)(ForwardParams<T, W, O>);
+
+template <typename T, typename W, typename O>
+ForwardKernelFn<T, W, O> forward_kernel(ForwardKernel kernel) {
+  switch (kernel) {
+    case ForwardKernel::kPlain:
+      return forward_in_registers<T, W, O, kForwardVecs, false>;
+    case ForwardKernel::kSmallRows:
+      return forward_in_registers<T, W, O, kForwardVecs, false, true>;
+    case ForwardKernel::kPrefetch:
+      return forward_in_registers<T, W, O, kForwardVecs, true>;
+    case ForwardKernel::kHold:
+      return forward_in_registers<T, W, O, kForwardVecs, true, false, true>;
+    case ForwardKernel::kStreaming:
+      break;
+  }
+  return forward_streaming<T, W, O>;
 }
 
-// One-wave problems with rows of at most a warp's worth of vectors take the kSmallRows kernel;
-// APEX_NORM_FWD_SMALL=0 turns it off (tuning switch). Blocks of 64 or 128 threads instead of 256
-// (more blocks over the multiprocessors) measured the same at 1024x1024 bf16 on the H200.
-inline bool small_rows() {
-  static const bool on = env_int("APEX_NORM_FWD_SMALL", 1) != 0;
-  return on;
+struct ForwardPlan {
+  ForwardKernel kernel;
+  int group_threads;  // forward_in_registers: threads per row
+  int block;
+  int64_t tiles;  // forward_in_registers: tiles of block / group_threads rows
+  int64_t grid;
+  size_t smem;  // dynamic shared memory per block
+};
+
+// Which kernel, and how it is launched, for the problem p describes on the current device. It
+// sets the dynamic shared memory attributes of the kernels it weighs (occupancy depends on them).
+// - Rows that fit in registers take forward_in_registers, a row group of group_threads per row.
+// - kPrefetch once blocks walk over several tiles (more tiles than the grid holds at once) and
+//   the two buffers per source fit in shared memory.
+// - kHold among those, where there are a weight and a bias and blocks of at most kHoldBlock
+//   threads: a row re-reads twice its own bytes of parameters from L2 otherwise. With a weight
+//   alone (RMS norm) the halved occupancy costs as much as holding saves (benchmarks/NOTES.md).
+// - kSmallRows for a one-wave problem (every tile resident at once) of rows of at most a warp's
+//   worth of vectors. Blocks of 64 or 128 threads instead of kSmallRowBlock (more blocks over
+//   the multiprocessors) measured the same.
+// - Otherwise the plain kernel, as many blocks as are resident at once.
+template <typename T, typename W, typename O>
+ForwardPlan plan_forward(const ForwardParams<T, W, O>& p) {
+  constexpr int kV = apex::vector_width<T, W, O>();
+  const int sms = sm_count();
+  ForwardPlan plan{};
+  auto resident = [&](ForwardKernel kernel, size_t smem) {
+    return static_cast<int64_t>(sms) *
+           resident_blocks(reinterpret_cast<const void*>(forward_kernel<T, W, O>(kernel)), plan.block, smem);
+  };
+  auto allow = [&](ForwardKernel kernel, size_t smem, bool max_shared_carveout) {
+    allow_dynamic_smem(reinterpret_cast<const void*>(forward_kernel<T, W, O>(kernel)), smem, max_shared_carveout);
+  };
+
+  const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
+                       aligned16(p.residual_out) && aligned16(p.weight) && aligned16(p.bias);
+  const int64_t vectors = p.hidden / kV;
+  if (!aligned || p.hidden % kV != 0 || vectors > static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
+    plan.kernel = ForwardKernel::kStreaming;
+    plan.block = streaming_threads_for(p.hidden, kV);
+    plan.grid = std::min<int64_t>(p.rows, resident(ForwardKernel::kStreaming, 0));
+    return plan;
+  }
+
+  plan.group_threads = group_threads_for(vectors, kForwardVecs);
+  plan.block = plan.group_threads <= kWarp ? kSmallRowBlock : plan.group_threads;
+  const int groups = plan.block / plan.group_threads;
+  plan.tiles = ceil_div(p.rows, groups);
+  const size_t staged = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
+  const size_t budget = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 2048;
+  if (staged <= budget) {
+    allow(ForwardKernel::kPrefetch, staged, /*max_shared_carveout=*/true);
+    const int64_t prefetching = resident(ForwardKernel::kPrefetch, staged);
+    if (plan.tiles > prefetching) {
+      plan.smem = staged;
+      if (plan.block <= kHoldBlock && p.weight != nullptr && p.bias != nullptr) {
+        plan.kernel = ForwardKernel::kHold;
+        allow(plan.kernel, staged, /*max_shared_carveout=*/true);
+        plan.grid = std::min<int64_t>(plan.tiles, resident(plan.kernel, staged));
+      } else {
+        plan.kernel = ForwardKernel::kPrefetch;
+        plan.grid = std::min<int64_t>(plan.tiles, prefetching);
+      }
+      return plan;
+    }
+  }
+  const size_t weights = 2 * static_cast<size_t>(vectors) * sizeof(Vec<W, kV>);  // weight, bias
+  if (plan.group_threads <= kWarp && plan.tiles <= resident(ForwardKernel::kSmallRows, weights)) {
+    plan.kernel = ForwardKernel::kSmallRows;
+    allow(plan.kernel, weights, /*max_shared_carveout=*/false);
+    plan.grid = plan.tiles;
+    plan.smem = weights;
+    return plan;
+  }
+  plan.kernel = ForwardKernel::kPlain;
+  plan.grid = std::min<int64_t>(plan.tiles, resident(plan.kernel, 0));
+  return plan;
 }
 
 template <typename T, typename W, typename O>
 void launch_forward(ForwardParams<T, W, O> p) {
-  constexpr int kV = apex::vector_width<T, W, O>();
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  const bool aligned = aligned16(p.input) && aligned16(p.output) && aligned16(p.residual) &&
-                       aligned16(p.residual_out) && aligned16(p.weight) && aligned16(p.bias);
-  const int64_t vectors = p.hidden / kV;
-  if (aligned && p.hidden % kV == 0 && vectors <= static_cast<int64_t>(kMaxThreads) * kForwardVecs) {
-    p.group_threads = group_threads_for(vectors, kForwardVecs);
-    const int block = p.group_threads <= kWarp ? kSmallRowBlock : p.group_threads;
-    const int groups = block / p.group_threads;
-    const int64_t tiles = ceil_div(p.rows, groups);
-    p.tiles = tiles;
-    p.inv_hidden = 1.0f / static_cast<float>(p.hidden);
-    const int sms = sm_count();
-    // Prefetching pays once blocks walk over several tiles; it needs two buffers per source.
-    const size_t smem = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
-    const auto plain = forward_in_registers<T, W, O, kForwardVecs, false>;
-    const auto prefetching = forward_in_registers<T, W, O, kForwardVecs, true>;
-    const size_t budget = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 2048;
-    bool prefetch = prefetch_mode() != 0 && smem <= budget;
-    int64_t resident = 0;
-    if (prefetch) {
-      allow_dynamic_smem(reinterpret_cast<const void*>(prefetching), smem, /*max_shared_carveout=*/true);
-      resident = static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(prefetching), block, smem);
-      prefetch = prefetch_mode() == 2 || tiles > resident;
-    }
-    const auto small = forward_in_registers<T, W, O, kForwardVecs, false, true>;
-    const size_t small_smem = 2 * static_cast<size_t>(vectors) * sizeof(Vec<W, kV>);  // weight, bias
-    const auto holding = forward_in_registers<T, W, O, kForwardVecs, true, false, true>;
-    if (prefetch && block <= kHoldBlock && p.weight != nullptr && hold_weights(p.bias != nullptr)) {
-      allow_dynamic_smem(reinterpret_cast<const void*>(holding), smem, /*max_shared_carveout=*/true);
-      const int64_t grid = std::min<int64_t>(
-          tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(holding), block, smem));
-      holding<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
-    } else if (prefetch) {
-      const int64_t grid = std::min<int64_t>(tiles, resident);
-      prefetching<<<static_cast<unsigned>(grid), block, smem, stream>>>(p);
-    } else if (small_rows() && block == kSmallRowBlock && p.group_threads <= kWarp &&
-               tiles <= static_cast<int64_t>(sms) *
-                            resident_blocks(reinterpret_cast<const void*>(small), block, small_smem)) {
-      allow_dynamic_smem(reinterpret_cast<const void*>(small), small_smem, /*max_shared_carveout=*/false);
-      small<<<static_cast<unsigned>(tiles), block, small_smem, stream>>>(p);
-    } else {
-      const int64_t grid = std::min<int64_t>(
-          tiles, static_cast<int64_t>(sms) * resident_blocks(reinterpret_cast<const void*>(plain), block, 0));
-      plain<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
-    }
-  } else {
-    const int block = streaming_threads_for(p.hidden, kV);
-    const auto kernel = forward_streaming<T, W, O>;
-    const int64_t grid = std::min<int64_t>(
-        p.rows, static_cast<int64_t>(sm_count()) * resident_blocks(reinterpret_cast<const void*>(kernel), block, 0));
-    kernel<<<static_cast<unsigned>(grid), block, 0, stream>>>(p);
-  }
+  const ForwardPlan plan = plan_forward(p);
+  p.group_threads = plan.group_threads;
+  p.tiles = plan.tiles;
+  p.inv_hidden = 1.0f / static_cast<float>(p.hidden);
+  forward_kernel<T, W, O>(plan.kernel)<<<static_cast<unsigned>(plan.grid), plan.block, plan.smem,
+                                         at::cuda::getCurrentCUDAStream()>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -561,8 +590,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    c10::SymIntArrayRef normalized_shape, double eps, bool rms, bool /*memory_efficient*/,
-    std::optional<c10::ScalarType> output_dtype) {
+    c10::SymIntArrayRef normalized_shape, double eps, bool rms, std::optional<c10::ScalarType> output_dtype) {
   auto outputs = forward("norm_forward", input, std::nullopt, weight, bias, normalized_shape, eps, rms, output_dtype);
   return {std::get<0>(outputs), std::get<2>(outputs), std::get<3>(outputs)};
 }
@@ -570,7 +598,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_norm_forward_cuda(
     const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, c10::SymIntArrayRef normalized_shape, double eps, bool rms,
-    bool /*memory_efficient*/, std::optional<c10::ScalarType> output_dtype) {
+    std::optional<c10::ScalarType> output_dtype) {
   return forward("add_norm_forward", input, residual, weight, bias, normalized_shape, eps, rms, output_dtype);
 }
 

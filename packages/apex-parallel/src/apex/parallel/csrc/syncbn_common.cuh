@@ -143,17 +143,13 @@ void dispatch_input_weight(const char* op, c10::ScalarType input, const std::opt
   });
 }
 
-template <typename T>
-constexpr int max_vector() {
-  return static_cast<int>(16 / sizeof(T));
-}
-
-// The widest V <= 16 bytes of T that divides `inner` and to which every pointer is aligned.
+// The widest V <= 16 bytes of T that divides `inner` and to which every pointer (null: absent) is
+// aligned.
 template <typename T>
 inline int pick_vector(int64_t inner, std::initializer_list<const void*> pointers) {
-  for (int v = max_vector<T>(); v > 1; v /= 2) {
+  for (int v = apex::vector_width<T>(); v > 1; v /= 2) {
     bool ok = inner % v == 0;
-    for (const void* p : pointers) ok = ok && (p == nullptr || reinterpret_cast<uintptr_t>(p) % (v * sizeof(T)) == 0);
+    for (const void* p : pointers) ok = ok && apex::aligned_to(p, v * sizeof(T));
     if (ok) return v;
   }
   return 1;
@@ -162,7 +158,7 @@ inline int pick_vector(int64_t inner, std::initializer_list<const void*> pointer
 // Calls f(std::integral_constant<int, V>) for the run-time width v (a power of two).
 template <typename T, typename F>
 void dispatch_vector(int v, F&& f) {
-  if constexpr (max_vector<T>() >= 8) {
+  if constexpr (apex::vector_width<T>() >= 8) {
     if (v == 8) return f(std::integral_constant<int, 8>{});
   }
   if (v == 4) return f(std::integral_constant<int, 4>{});
@@ -172,28 +168,8 @@ void dispatch_vector(int v, F&& f) {
 
 // Vector access -----------------------------------------------------------------------------
 
-template <int V, typename T>
-__device__ __forceinline__ void load_floats(float (&dst)[V], const T* p) {
-  if constexpr (V == 1) {
-    dst[0] = static_cast<float>(*p);
-  } else {
-    const auto v = *reinterpret_cast<const apex::AlignedVector<T, V>*>(p);
-#pragma unroll
-    for (int j = 0; j < V; ++j) dst[j] = static_cast<float>(v.val[j]);
-  }
-}
-
-template <int V, typename T>
-__device__ __forceinline__ void store_floats(T* p, const float (&src)[V]) {
-  apex::AlignedVector<T, V> v;
-#pragma unroll
-  for (int j = 0; j < V; ++j) v.val[j] = static_cast<T>(src[j]);
-  if constexpr (sizeof(v) % 16 == 0) {
-    apex::store_vector(p, v);
-  } else {
-    *reinterpret_cast<apex::AlignedVector<T, V>*>(p) = v;
-  }
-}
+using apex::load_floats;
+using apex::store_floats;
 
 template <typename W>
 __device__ __forceinline__ float load_or(const W* p, int64_t i, float fallback) {
@@ -338,7 +314,7 @@ inline TileLaunch channels_last_launch(int64_t channel_units, int64_t rows, int 
 // Merging the [chunks, C] partials of a reduction: a block of (32 channels, kFinalizeLanes
 // lanes); lane y takes chunks y, y + kFinalizeLanes, ... in order, then the lanes are merged in
 // a fixed tree, so the result is the same on every run. (One thread per channel walking all
-// chunks took tens of microseconds for few channels with many chunks, e.g. C = 64 channels-last.)
+// chunks was slow for few channels with many chunks, e.g. C = 64 channels-last.)
 constexpr int kFinalizeLanes = 32;
 
 inline dim3 finalize_grid(int64_t channels) { return dim3(static_cast<unsigned>(ceil_div(channels, apex::kWarpSize))); }

@@ -16,6 +16,10 @@
 // The body is a generic lambda instantiated for vector and scalar groups alike, so the math is
 // written once. Loads convert to float and stores convert from float (fp32 math for every
 // storage type).
+//
+// Kernels that place their own vectors (a row held in registers, a tile of channels) use
+// load_floats / store_floats on one vector at a time, and aligned16 on the host to decide
+// whether a launch may use them.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -24,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace apex {
 
@@ -62,6 +67,70 @@ C10_DEVICE C10_ALWAYS_INLINE void store_vector(T* dst, const AlignedVector<T, N>
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<uint4*>(dst) + p), "r"(bits.x),
                  "r"(bits.y), "r"(bits.z), "r"(bits.w)
                  : "memory");
+  }
+}
+
+// Whether p is a multiple of `bytes`; null is (an absent tensor does not stop a vectorized launch).
+C10_HOST_DEVICE inline bool aligned_to(const void* p, size_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Whether p may be accessed with 16-byte instructions.
+C10_HOST_DEVICE inline bool aligned16(const void* p) { return aligned_to(p, 16); }
+
+// One vector of N elements from p (aligned to the vector's size).
+template <typename T, int N>
+C10_DEVICE C10_ALWAYS_INLINE AlignedVector<T, N> load_vector(const T* p) {
+  return *reinterpret_cast<const AlignedVector<T, N>*>(p);
+}
+
+// As store_vector, but ordinary stores of uint4, a native vector type (one 16-byte store each)
+// rather than an asm statement with a memory clobber: loads of other (restrict-qualified) arrays
+// may then move above it.
+template <typename T, int N>
+C10_DEVICE C10_ALWAYS_INLINE void store_vector_plain(T* dst, const AlignedVector<T, N>& v) {
+  static_assert(sizeof(v) % 16 == 0, "store_vector_plain writes whole 16-byte pieces");
+#pragma unroll
+  for (int p = 0; p < static_cast<int>(sizeof(v) / 16); ++p) {
+    reinterpret_cast<uint4*>(dst)[p] = reinterpret_cast<const uint4*>(&v)[p];
+  }
+}
+
+// The elements of v as floats. bfloat16 pairs: the low element is the 32-bit word shifted up, the
+// high one the word with its low half cleared, one instruction each (the generic conversion
+// spends two on the high element); the values are the same.
+template <int N, typename T>
+C10_DEVICE C10_ALWAYS_INLINE void to_floats(float (&dst)[N], const AlignedVector<T, N>& v) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && N % 2 == 0) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      dst[2 * i] = __uint_as_float(words[i] << 16);
+      dst[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst[j] = static_cast<float>(v.val[j]);
+  }
+}
+
+// N elements from p (aligned to N elements) as floats, in one access.
+template <int N, typename T>
+C10_DEVICE C10_ALWAYS_INLINE void load_floats(float (&dst)[N], const T* p) {
+  to_floats(dst, load_vector<T, N>(p));
+}
+
+// N floats to p (aligned to N elements) as T, in one access: whole 16-byte pieces through
+// store_vector_plain, a narrower vector as one store of its size.
+template <int N, typename T>
+C10_DEVICE C10_ALWAYS_INLINE void store_floats(T* p, const float (&src)[N]) {
+  AlignedVector<T, N> v;
+#pragma unroll
+  for (int j = 0; j < N; ++j) v.val[j] = static_cast<T>(src[j]);
+  if constexpr (sizeof(v) % 16 == 0) {
+    store_vector_plain(p, v);
+  } else {
+    *reinterpret_cast<AlignedVector<T, N>*>(p) = v;
   }
 }
 
