@@ -5,8 +5,9 @@ kernel. Two modes:
 
 - ``--device cpu`` (default; no GPU needed): the ops' CPU kernels are replaced by trivial ones
   that only allocate the outputs, on tiny tensors (2 x 8). The trivial kernels are Python
-  functions called through the dispatcher, which costs more than the C++ kernels on CUDA:
-  compare "ours" between two versions of the code, not with PyTorch.
+  functions called through the dispatcher, which costs more than the C++ kernels on CUDA, and
+  the autograd is the Python registration (CUDA has the C++ one): compare "ours" between two
+  versions of the code, not with PyTorch.
 - ``--device cuda``: the real kernels on 1024 x 1024 bf16 (a few microseconds of device time
   each); calls back to back, one synchronize per run.
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from apex.normalization.functional import fused_layer_norm_affine, fused_rms_norm_affine
 
 
-def _forward(input, weight, bias, normalized_shape, eps, rms, output_dtype=None):
+def _forward(input, weight, bias, normalized_shape, eps, rms, memory_efficient=False, output_dtype=None):
     lead = input.shape[: input.dim() - len(normalized_shape)]
     return (
         torch.empty_like(input),

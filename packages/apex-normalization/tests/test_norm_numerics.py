@@ -1,7 +1,7 @@
 """Layer norm and RMS norm, forward and backward, against float64 references.
 
-Every case runs through the public functions (so through the ops and the autograd of
-``_ops.norm``) on the CPU (the PyTorch reference) and, marked ``gpu``, on CUDA (the kernels). The
+Every case runs through the public functions (so through the ops and their registered
+backward) on the CPU (the PyTorch reference) and, marked ``gpu``, on CUDA (the kernels). The
 float64 side is an independent formula (``F.layer_norm``, or the RMS formula) differentiated by
 autograd, fed the same rounded inputs. Tolerances come from the dtype each result is stored in.
 

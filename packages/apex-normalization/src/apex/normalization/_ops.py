@@ -13,8 +13,9 @@ Conventions: input float32, float16 or bfloat16, contiguous, its last dimensions
 ``normalized_shape``; weight (and bias, layer norm only) of ``normalized_shape``, in the input's
 dtype or float32; the output in the input's dtype or, for the mixed-dtype modules, the weight's
 (``output_dtype``); ``mean``/``rstd`` float32 with the input's leading shape. The math is in
-``_reference.py``. The ops carry no autograd formula: :data:`norm` is the differentiable caller
-that the Python API uses.
+``_reference.py``. The forward ops are differentiable (see "autograd" below);
+``memory_efficient`` changes only what their autograd saves (the output instead of the input),
+not what the forward computes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import torch
 
 from apex.core import checks
-from apex.core.library import autograd, op
+from apex.core.library import op
 from apex.normalization import _reference
 from apex.normalization._plugin import KERNELS
 
@@ -182,7 +183,7 @@ def _stats(input, mean, rstd):
 @op(
     KERNELS,
     "norm_forward(Tensor input, Tensor? weight, Tensor? bias, SymInt[] normalized_shape, float eps, bool rms, "
-    "ScalarType? output_dtype=None) -> (Tensor output, Tensor mean, Tensor rstd)",
+    "bool memory_efficient=False, ScalarType? output_dtype=None) -> (Tensor output, Tensor mean, Tensor rstd)",
     check=_check_forward,
     fake=_forward_fake,
 )
@@ -196,7 +197,7 @@ def norm_forward(a):
 @op(
     KERNELS,
     "add_norm_forward(Tensor input, Tensor residual, Tensor? weight, Tensor? bias, SymInt[] normalized_shape, "
-    "float eps, bool rms, ScalarType? output_dtype=None) -> "
+    "float eps, bool rms, bool memory_efficient=False, ScalarType? output_dtype=None) -> "
     "(Tensor output, Tensor residual_out, Tensor mean, Tensor rstd)",
     check=_check_add_forward,
     fake=_add_forward_fake,
@@ -239,14 +240,11 @@ def norm_backward(a):
 
 
 # autograd --------------------------------------------------------------------------------------
-# One differentiable caller for both forward ops, without a residual (None) or with one:
-# norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype).
-
-
-def _forward(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype):
-    if residual is None:
-        return norm_forward(input, weight, bias, normalized_shape, eps, rms, output_dtype)
-    return add_norm_forward(input, residual, weight, bias, normalized_shape, eps, rms, output_dtype)
+# Registered on both forward ops with torch.library, for every device and for torch.compile. The
+# CUDA library registers the same formula in C++ (csrc/norm_autograd.cpp, for AutogradCUDA), which
+# the dispatcher prefers for CUDA tensors once it is loaded: a Python autograd layer costs tens of
+# microseconds of host time per eager call (benchmarks/NOTES.md, host time). The two save the same
+# tensors and call norm_backward with the same arguments.
 
 
 def _setup_context(ctx, inputs, output):
@@ -254,30 +252,34 @@ def _setup_context(ctx, inputs, output):
     statistics (mean is empty for RMS norm); with memory_efficient the output instead, and rstd
     alone (the normalized values come back from the output), so that autograd holds neither the
     input nor the means."""
-    input, residual, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
-    if residual is None:
+    with_residual = len(output) == 4
+    if with_residual:
+        input, _, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
+        out, normalized, mean, rstd = output
+    else:
+        input, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
         out, mean, rstd = output
         normalized = input
-    else:
-        out, normalized, mean, rstd = output
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
     if memory_efficient:
         ctx.save_for_backward(out, weight, bias, None, rstd)
     else:
-        ctx.save_for_backward(normalized, weight, bias, mean, rstd)
-    ctx.config = (normalized_shape, rms, memory_efficient, input.dtype, residual is not None)
+        ctx.save_for_backward(normalized, weight, bias, mean if not rms else None, rstd)
+    ctx.config = (tuple(normalized_shape), rms, memory_efficient, input.dtype, with_residual)
 
 
 def _backward(ctx, grad_output, *grads):
+    """One gradient per forward input: (input, [residual,] weight, bias, then None for the rest)."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     normalized_shape, rms, memory_efficient, input_dtype, with_residual = ctx.config
-    grad_residual_out = grads[0] if with_residual else None  # grads: that of residual_out (if any), mean, rstd
+    grad_residual_out = grads[0] if with_residual else None  # grads: of residual_out (if any), mean, rstd
     needs = ctx.needs_input_grad
+    w = 2 if with_residual else 1  # the weight's input index
     if grad_output is None:  # only the residual sum was used
         grad_input, grad_weight, grad_bias = grad_residual_out, None, None
     else:
-        weight_grads = weight is not None and (needs[2] or (bias is not None and needs[3]))
+        weight_grads = weight is not None and (needs[w] or (bias is not None and needs[w + 1]))
         grad_input, grad_weight, grad_bias = norm_backward(
             grad_output.contiguous(),
             saved,
@@ -296,8 +298,11 @@ def _backward(ctx, grad_output, *grads):
             grad_weight = grad_bias = None
         elif bias is None:
             grad_bias = None
-    grad_residual = grad_input if with_residual and needs[1] else None
-    return grad_input if needs[0] else None, grad_residual, grad_weight, grad_bias, None, None, None, None, None
+    rest = (None,) * 5
+    if with_residual:
+        return grad_input if needs[0] else None, grad_input if needs[1] else None, grad_weight, grad_bias, *rest
+    return grad_input, grad_weight, grad_bias, *rest
 
 
-norm = autograd(_forward, _setup_context, _backward, "FusedNorm")
+torch.library.register_autograd(norm_forward, _backward, setup_context=_setup_context)
+torch.library.register_autograd(add_norm_forward, _backward, setup_context=_setup_context)

@@ -2,7 +2,7 @@
 
 Every function normalizes over the last ``len(normalized_shape)`` dimensions, keeps its
 statistics in float32 whatever the input dtype, and is differentiable in the input and the
-affine parameters (``torch.ops.apex_normalization.*``, differentiated by ``_ops.norm``).
+affine parameters (``torch.ops.apex_normalization.*``, whose autograd is registered on the ops).
 
 - ``fused_*`` functions return the input's dtype; their weight (and bias) may be in the
   input's dtype or float32.
@@ -58,8 +58,10 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
     if bias is not None:
         bias = bias.contiguous()
     shape = normalized_shape_tuple(normalized_shape)
-    outputs = _ops.norm(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
-    return outputs[0] if residual is None else (outputs[0], outputs[1])
+    if residual is None:
+        return _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
+    outputs = _ops.add_norm_forward(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
+    return outputs[0], outputs[1]
 
 
 def fused_layer_norm_affine(input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False):

@@ -590,7 +590,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-    c10::SymIntArrayRef normalized_shape, double eps, bool rms, std::optional<c10::ScalarType> output_dtype) {
+    c10::SymIntArrayRef normalized_shape, double eps, bool rms, bool /*memory_efficient: autograd's*/,
+    std::optional<c10::ScalarType> output_dtype) {
   auto outputs = forward("norm_forward", input, std::nullopt, weight, bias, normalized_shape, eps, rms, output_dtype);
   return {std::get<0>(outputs), std::get<2>(outputs), std::get<3>(outputs)};
 }
@@ -598,7 +599,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_norm_forward_cuda(
     const at::Tensor& input, const at::Tensor& residual, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, c10::SymIntArrayRef normalized_shape, double eps, bool rms,
-    std::optional<c10::ScalarType> output_dtype) {
+    bool /*memory_efficient: autograd's*/, std::optional<c10::ScalarType> output_dtype) {
   return forward("add_norm_forward", input, residual, weight, bias, normalized_shape, eps, rms, output_dtype);
 }
 
