@@ -208,35 +208,17 @@ setup(**setup_kernel_package(KERNELS))
 PLUGIN_KERNELS = """\
 from apex.core.descriptors import KernelLibrary, Plugin
 
-KERNELS = KernelLibrary(
-    name="${namespace}",
-    package="${import_path}",
-    sources=("csrc/*.cu", "csrc/*.cpp"),
-)
-
-PLUGIN = Plugin(
-    name="${plugin}",
-    distribution="${dist}",
-    provides=("${import_path}",),
-    kernel_library=KERNELS,
-    requires=("apex-core",),
-)
+KERNELS = KernelLibrary.of_package("${module}")
+PLUGIN = Plugin.of_package("${module}", kernels=KERNELS)
 """
 
 PLUGIN_PURE = """\
 from apex.core.descriptors import KernelLibrary, Plugin
 
 # The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package lists its csrc/ sources here and in PLUGIN.
-KERNELS = KernelLibrary(name="${namespace}", package="${import_path}", sources=())
-
-PLUGIN = Plugin(
-    name="${plugin}",
-    distribution="${dist}",
-    provides=("${import_path}",),
-    kernel_library=None,
-    requires=("apex-core",),
-)
+# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
+KERNELS = KernelLibrary.of_package("${module}", sources=())
+PLUGIN = Plugin.of_package("${module}")
 """
 
 INIT_PY = '''\

@@ -10,6 +10,15 @@ from apex.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _wrapped_optimizer_attribute(name: str) -> property:
+    """``name`` read and assigned through to the wrapped optimizer, so code written for a plain
+    optimizer (schedulers, checkpointing) sees and changes the one that steps."""
+    return property(
+        lambda self: getattr(self.optimizer, name),
+        lambda self, value: setattr(self.optimizer, name, value),
+    )
+
+
 class FP16_Optimizer:
     """Wraps an optimizer built on a half-precision model: fp32 master weights and loss scaling.
 
@@ -238,18 +247,5 @@ class FP16_Optimizer:
     def loss_scale(self, value: float) -> None:
         self.loss_scaler.cur_scale = value
 
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.optimizer.state = value
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.optimizer.param_groups = value
+    state = _wrapped_optimizer_attribute("state")
+    param_groups = _wrapped_optimizer_attribute("param_groups")

@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Where every kernel package keeps its sources (relative to the package directory, as the
+# wheel ships them for a JIT build).
+KERNEL_SOURCES = ("csrc/*.cu", "csrc/*.cpp")
+
+
+def _import_path(module: str) -> str:
+    return f"apex.{module}"
+
 
 @dataclass(frozen=True)
 class KernelLibrary:
@@ -22,6 +30,12 @@ class KernelLibrary:
     extra_cflags: tuple[str, ...] = ()
     extra_cuda_cflags: tuple[str, ...] = ()
 
+    @classmethod
+    def of_package(cls, module: str, *, sources: tuple[str, ...] = KERNEL_SOURCES) -> KernelLibrary:
+        """The library of the package ``apex.<module>`` (``"optimizers"``, ``"contrib.focal_loss"``),
+        named by the convention: namespace ``apex_<module with underscores>``."""
+        return cls(name="apex_" + module.replace(".", "_"), package=_import_path(module), sources=sources)
+
 
 @dataclass(frozen=True)
 class Plugin:
@@ -36,3 +50,24 @@ class Plugin:
     provides: tuple[str, ...]
     kernel_library: KernelLibrary | None = None
     requires: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of_package(
+        cls,
+        module: str,
+        *,
+        kernels: KernelLibrary | None = None,
+        provides: tuple[str, ...] | None = None,
+        requires: tuple[str, ...] = ("apex-core",),
+    ) -> Plugin:
+        """The plugin of the package ``apex.<module>`` (``"optimizers"``, ``"contrib.focal_loss"``),
+        named by the convention: plugin name the module's last part, distribution
+        ``apex-<module with hyphens>``, providing ``apex.<module>`` alone unless ``provides`` says more,
+        requiring apex-core (which every other package builds on) unless ``requires`` says otherwise."""
+        return cls(
+            name=module.rsplit(".", 1)[-1],
+            distribution="apex-" + module.replace(".", "-").replace("_", "-"),
+            provides=(_import_path(module),) if provides is None else provides,
+            kernel_library=kernels,
+            requires=requires,
+        )

@@ -58,11 +58,18 @@ class _FusedNorm(nn.Module):
         return text + (", memory_efficient=True" if self.memory_efficient else "")
 
 
-def mixed_init_kwargs(cls_name: str, kwargs: dict) -> dict:
-    """Upstream's MixedFused* accept ``elementwise_affine`` only to warn about it (and refuse False)."""
-    if "elementwise_affine" in kwargs:
-        affine = kwargs.pop("elementwise_affine")
-        warnings.warn(f"{cls_name} always has affine parameters; elementwise_affine is ignored", stacklevel=3)
-        if not affine:
-            raise RuntimeError(f"{cls_name} does not support elementwise_affine=False")
-    return kwargs
+class _MixedDtype:
+    """Makes FusedLayerNorm / FusedRMSNorm upstream's MixedFused* module: the output in the
+    parameters' dtype, always affine. Upstream accepts ``elementwise_affine`` only to warn about it
+    (and refuse False), so the same calls keep working here."""
+
+    _mixed = True
+
+    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
+        cls_name = type(self).__name__
+        if "elementwise_affine" in kwargs:
+            affine = kwargs.pop("elementwise_affine")
+            warnings.warn(f"{cls_name} always has affine parameters; elementwise_affine is ignored", stacklevel=2)
+            if not affine:
+                raise RuntimeError(f"{cls_name} does not support elementwise_affine=False")
+        super().__init__(normalized_shape, eps, True, memory_efficient, **kwargs)

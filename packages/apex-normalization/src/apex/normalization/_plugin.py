@@ -1,15 +1,4 @@
 from apex.core.descriptors import KernelLibrary, Plugin
 
-KERNELS = KernelLibrary(
-    name="apex_normalization",
-    package="apex.normalization",
-    sources=("csrc/*.cu", "csrc/*.cpp"),
-)
-
-PLUGIN = Plugin(
-    name="normalization",
-    distribution="apex-normalization",
-    provides=("apex.normalization",),
-    kernel_library=KERNELS,
-    requires=("apex-core",),
-)
+KERNELS = KernelLibrary.of_package("normalization")
+PLUGIN = Plugin.of_package("normalization", kernels=KERNELS)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from apex.normalization._module import _FusedNorm, mixed_init_kwargs
+from apex.normalization._module import _FusedNorm, _MixedDtype
 from apex.normalization.functional import (
     fused_add_layer_norm,
     fused_add_layer_norm_affine,
@@ -51,15 +51,9 @@ class FusedLayerNorm(_FusedNorm):
     _mixed = False
 
 
-class MixedFusedLayerNorm(FusedLayerNorm):
+class MixedFusedLayerNorm(_MixedDtype, FusedLayerNorm):
     """:class:`FusedLayerNorm` whose output has the parameters' dtype: float32 parameters with float16
     or bfloat16 input give a float32 output. Always affine (``elementwise_affine=False`` is refused)."""
-
-    _mixed = True
-
-    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
-        kwargs = mixed_init_kwargs(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps, True, memory_efficient, **kwargs)
 
 
 from apex.normalization.fused_rms_norm import FusedRMSNorm, MixedFusedRMSNorm  # noqa: E402

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from apex.normalization._module import _FusedNorm, mixed_init_kwargs
+from apex.normalization._module import _FusedNorm, _MixedDtype
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -38,12 +38,6 @@ class FusedRMSNorm(_FusedNorm):
     _mixed = False
 
 
-class MixedFusedRMSNorm(FusedRMSNorm):
+class MixedFusedRMSNorm(_MixedDtype, FusedRMSNorm):
     """:class:`FusedRMSNorm` whose output has the weight's dtype: a float32 weight with float16 or
     bfloat16 input gives a float32 output. Always affine (``elementwise_affine=False`` is refused)."""
-
-    _mixed = True
-
-    def __init__(self, normalized_shape, eps=1e-5, *, memory_efficient=False, **kwargs):
-        kwargs = mixed_init_kwargs(type(self).__name__, kwargs)
-        super().__init__(normalized_shape, eps, True, memory_efficient, **kwargs)

@@ -1,15 +1,4 @@
 from apex.core.descriptors import KernelLibrary, Plugin
 
-KERNELS = KernelLibrary(
-    name="apex_optimizers",
-    package="apex.optimizers",
-    sources=("csrc/*.cu", "csrc/*.cpp"),
-)
-
-PLUGIN = Plugin(
-    name="optimizers",
-    distribution="apex-optimizers",
-    provides=("apex.optimizers",),
-    kernel_library=KERNELS,
-    requires=("apex-core",),
-)
+KERNELS = KernelLibrary.of_package("optimizers")
+PLUGIN = Plugin.of_package("optimizers", kernels=KERNELS)
