@@ -97,6 +97,35 @@ def step_on_some_grads(optimizer, params, schedule):
     return history
 
 
+class Float64Reference:
+    """What the float64 references share: float64 copies of the parameters, each parameter's group
+    hyper-parameters (``hypers``, see ``hypers_of``) and its own step count, and the largest
+    magnitude each element reached (``peaks``, for ``assert_follows_reference``)."""
+
+    def __init__(self, params, hypers, step=0):
+        self.theta = [p.detach().double().clone() for p in params]
+        self.dtypes = [p.dtype for p in params]
+        self.hypers = hypers
+        self.t = [step] * len(self.theta)
+        self.peaks = [t.abs() for t in self.theta]
+
+    def _stepping(self, grads):
+        """(index, float64 gradient, step count, hyper-parameters) of each parameter stepped now,
+        its step counted: a parameter whose gradient is None skips the step, and its count stays."""
+        for i, g in enumerate(grads):
+            if g is None:
+                continue
+            self.t[i] += 1
+            yield i, g.double(), self.t[i], self.hypers[i]
+
+    def _store(self, i, theta, round_param):
+        """The parameter's new value, rounded to its dtype first when ``round_param``."""
+        if round_param and self.dtypes[i] != torch.float32:
+            theta = theta.to(self.dtypes[i]).double()
+        self.theta[i] = theta
+        self.peaks[i] = torch.maximum(self.peaks[i], theta.abs())
+
+
 def run_with_reference(optimizer, params, reference, steps=STEPS):
     """Step the optimizer and the float64 reference on the same fresh gradients."""
     for grads in step_on_fresh_grads(optimizer, params, steps):

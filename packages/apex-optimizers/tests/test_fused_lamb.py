@@ -22,6 +22,7 @@ from ._helpers import (
     SHAPES,
     STAGGERED,
     STEPS,
+    Float64Reference,
     assert_follows_reference,
     assert_tensor_lr_equals_float_lr,
     hypers_of,
@@ -43,7 +44,7 @@ DEFAULTS = dict(
 )
 
 
-class ReferenceLamb:
+class ReferenceLamb(Float64Reference):
     """LAMB on float64 copies of the parameters.
 
     ``hypers`` gives each parameter its group's hyper-parameters. With ``round_params`` a
@@ -53,26 +54,17 @@ class ReferenceLamb:
     """
 
     def __init__(self, params, hypers, adam_w_mode=True, use_nvlamb=False, round_params=False, step=0):
-        self.theta = [p.detach().double().clone() for p in params]
-        self.dtypes = [p.dtype for p in params]
-        self.hypers = hypers
+        super().__init__(params, hypers, step)
         self.m = [torch.zeros_like(t) for t in self.theta]
         self.v = [torch.zeros_like(t) for t in self.theta]
         self.adam_w_mode, self.use_nvlamb, self.round_params = adam_w_mode, use_nvlamb, round_params
-        self.t = [step] * len(self.theta)
-        self.peaks = [t.abs() for t in self.theta]
         self.clip_ratios = []
 
     def step(self, grads):
         grads = [None if g is None else g.double() for g in grads]
         global_norm = math.sqrt(sum(float(g.square().sum()) for g in grads if g is not None))
         ratios = []
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            self.t[i] += 1
-            t = self.t[i]
-            h = self.hypers[i]
+        for i, g, t, h in self._stepping(grads):
             beta1, beta2 = h["betas"]
             wd = h["weight_decay"]
             clip = global_norm / h["max_grad_norm"] if 0 < h["max_grad_norm"] < global_norm else 1.0
@@ -94,11 +86,7 @@ class ReferenceLamb:
                 theta_norm, update_norm = float(theta.norm()), float(update.norm())
                 if theta_norm > 0 and update_norm > 0:
                     trust = theta_norm / update_norm
-            theta = theta - h["lr"] * trust * update
-            if self.round_params and self.dtypes[i] != torch.float32:
-                theta = theta.to(self.dtypes[i]).double()
-            self.theta[i] = theta
-            self.peaks[i] = torch.maximum(self.peaks[i], theta.abs())
+            self._store(i, theta - h["lr"] * trust * update, self.round_params)
         self.clip_ratios.append(max(ratios))
 
 

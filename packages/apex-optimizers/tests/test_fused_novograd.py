@@ -21,6 +21,7 @@ from ._helpers import (
     SHAPES,
     STAGGERED,
     STEPS,
+    Float64Reference,
     assert_follows_reference,
     assert_tensor_lr_equals_float_lr,
     hypers_of,
@@ -35,19 +36,15 @@ DEFAULTS = dict(
 )
 
 
-class ReferenceNovoGrad:
+class ReferenceNovoGrad(Float64Reference):
     """NovoGrad on float64 copies; fp16/bf16 parameters rounded to their dtype after every step.
     A parameter whose gradient is None skips the step, and its step count stays."""
 
     def __init__(self, params, hypers, reg_inside_moment=False, init_zero=False):
-        self.theta = [p.detach().double().clone() for p in params]
-        self.dtypes = [p.dtype for p in params]
-        self.hypers = hypers
+        super().__init__(params, hypers)
         self.m = [torch.zeros_like(t) for t in self.theta]
         self.v = [0.0 for _ in self.theta]
         self.reg_inside_moment, self.init_zero = reg_inside_moment, init_zero
-        self.t = [0] * len(self.theta)
-        self.peaks = [t.abs() for t in self.theta]
 
     @staticmethod
     def norm(g, norm_type):
@@ -56,15 +53,9 @@ class ReferenceNovoGrad:
         return float(g.abs().max()) if norm_type == 0 else float(g.square().sum().sqrt())
 
     def step(self, grads):
-        for i, g in enumerate(grads):
-            if g is None:
-                continue
-            self.t[i] += 1
-            t = self.t[i]
-            h = self.hypers[i]
+        for i, g, t, h in self._stepping(grads):
             beta1, beta2 = h["betas"]
             wd = h["weight_decay"]
-            g = g.double()
             norm_sq = self.norm(g, h["norm_type"]) ** 2
             if t == 1 and not self.init_zero:
                 self.v[i] = norm_sq
@@ -81,11 +72,7 @@ class ReferenceNovoGrad:
             update = self.m[i] / bc1
             if not self.reg_inside_moment:
                 update = update + wd * theta
-            theta = theta - h["lr"] * update
-            if self.dtypes[i] != torch.float32:
-                theta = theta.to(self.dtypes[i]).double()
-            self.theta[i] = theta
-            self.peaks[i] = torch.maximum(self.peaks[i], theta.abs())
+            self._store(i, theta - h["lr"] * update, round_param=True)
 
 
 VARIANTS = {

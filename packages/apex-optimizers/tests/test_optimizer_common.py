@@ -303,6 +303,13 @@ def _scaler(device):
     return torch.amp.GradScaler(device, init_scale=2.0**12, growth_interval=1000)
 
 
+def _scaled_twins(device, name, dtypes=SCALED):
+    """Parameters, clones of them, an optimizer ``name`` on each, and a GradScaler for the first."""
+    params = make_params(device, dtypes=dtypes)
+    twins = clones(params)
+    return params, twins, OPTIMIZERS[name](params), OPTIMIZERS[name](twins), _scaler(device)
+
+
 def _scaled_step(scaler, optimizer, params, grads):
     for p, g in zip(params, grads):
         p.grad = scaler.scale(g)  # by a power of two: scaling and unscaling are exact
@@ -319,10 +326,7 @@ def _plain_step(optimizer, params, grads):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_grad_scaler_step_equals_unscaled_step(device, name):
-    params = make_params(device, dtypes=SCALED)
-    twins = clones(params)
-    ours, theirs = OPTIMIZERS[name](params), OPTIMIZERS[name](twins)
-    scaler = _scaler(device)
+    params, twins, ours, theirs, scaler = _scaled_twins(device, name)
     for _ in range(4):
         grads = random_grads(params)
         _scaled_step(scaler, ours, params, grads)
@@ -333,10 +337,7 @@ def test_grad_scaler_step_equals_unscaled_step(device, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_grad_scaler_overflow_skips_the_step(device, name):
-    params = make_params(device, dtypes=SCALED)
-    twins = clones(params)
-    ours, theirs = OPTIMIZERS[name](params), OPTIMIZERS[name](twins)
-    scaler = _scaler(device)
+    params, twins, ours, theirs, scaler = _scaled_twins(device, name)
     history = [random_grads(params) for _ in range(4)]
     for grads in history[:2]:
         _scaled_step(scaler, ours, params, grads)
@@ -380,10 +381,7 @@ def test_grad_scaler_first_step_overflow_leaves_everything_untouched(device, nam
 @pytest.mark.parametrize("name", NAMES)
 def test_grad_scaler_unscale_then_clip_then_step(device, name):
     # GradScaler.unscale_ refuses fp16 gradients, and has no bf16 CUDA kernel: fp32 here
-    params = make_params(device, dtypes=[torch.float32])
-    twins = clones(params)
-    ours, theirs = OPTIMIZERS[name](params), OPTIMIZERS[name](twins)
-    scaler = _scaler(device)
+    params, twins, ours, theirs, scaler = _scaled_twins(device, name, dtypes=[torch.float32])
     for _ in range(3):
         grads = random_grads(params)
         for p, g in zip(params, grads):

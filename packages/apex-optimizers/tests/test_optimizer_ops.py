@@ -23,6 +23,8 @@ STATE_LIST = {
     "fused_novograd": "exp_avgs",
 }
 TAKES_STEP_TENSOR = {"fused_adam", "fused_lamb"}
+# the scalars of Adam's schema that LAMB's and NovoGrad's take too
+MOMENT_SCALARS = dict(lr=1e-3, step=3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, bias_correction=True)
 
 
 def op(name):
@@ -52,16 +54,7 @@ def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
     )
     if name in ("fused_adam", "fused_lamb"):  # LAMB takes Adam's arguments, and more
         args.update(
-            exp_avgs=make(torch.float32, device, 0.1),
-            exp_avg_sqs=positive(device),
-            lr=1e-3,
-            step=3,
-            beta1=0.9,
-            beta2=0.999,
-            eps=1e-8,
-            weight_decay=0.01,
-            adam_w_mode=True,
-            bias_correction=True,
+            MOMENT_SCALARS, exp_avgs=make(torch.float32, device, 0.1), exp_avg_sqs=positive(device), adam_w_mode=True
         )
     if name == "fused_lamb":
         args.update(
@@ -82,16 +75,12 @@ def inputs(name, device, dtype=torch.float32, masters=False, extras=False):
         args.update(state_sums=positive(device), lr=0.1, eps=1e-10, weight_decay=0.01, adagrad_w_mode=False)
     elif name == "fused_novograd":
         args.update(
+            MOMENT_SCALARS,
             exp_avgs=make(torch.float32, device, 0.1),
             exp_avg_sq_norms=torch.rand(len(SIZES), device=device),
             grad_norms=torch.stack([g.float().norm() for g in args["grads"]]),
-            lr=1e-3,
-            step=3,
             beta1=0.95,
             beta2=0.98,
-            eps=1e-8,
-            weight_decay=0.01,
-            bias_correction=True,
             grad_averaging=True,
             reg_inside_moment=False,
             init_zero=False,

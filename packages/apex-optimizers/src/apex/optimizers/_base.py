@@ -8,7 +8,8 @@ bf16 parameters on several devices can share a parameter group.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -120,6 +121,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 state["master_param"] = p.detach().float().clone(memory_format=torch.contiguous_format)
         return state
 
+    def _bucket_inputs(self, group: dict, scaler, *state_names: str) -> Iterator[_Bucket]:
+        """Per bucket of ``group``, what its op call takes; the states ``state_names`` are made on first use."""
+        for (device, _, _, has_master, _), params in self._buckets(group).items():
+            lr, lr_tensor = self._lr(group, device)
+            grad_scale, found_inf = scaler.on(device)
+            states = [self._state(p, *state_names) for p in params]
+            masters = self._masters(params, states, has_master)
+            yield _Bucket(device, params, states, state_names, masters, lr, lr_tensor, grad_scale, found_inf)
+
     @staticmethod
     def _advance(states: list[dict], device: torch.device, found_inf: torch.Tensor | None):
         """Count one more step for a bucket; return (host step, device step tensor or None).
@@ -156,6 +166,30 @@ class FusedOptimizer(torch.optim.Optimizer):
     @staticmethod
     def _masters(params: list[torch.Tensor], states: list[dict], has_master: bool) -> list[torch.Tensor]:
         return [s["master_param"] for s in states] if has_master else []
+
+
+class _Bucket(NamedTuple):
+    """One op call's inputs, derived alike by every optimizer (see ``FusedOptimizer._bucket_inputs``)."""
+
+    device: torch.device
+    params: list[torch.Tensor]
+    states: list[dict]
+    state_names: tuple[str, ...]
+    masters: list[torch.Tensor]
+    lr: float
+    lr_tensor: torch.Tensor | None
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor | None
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        return grads_of(self.params)
+
+    @property
+    def tensor_lists(self) -> tuple[list[torch.Tensor], ...]:
+        """params, grads, one list per state name, master params: the order of every op's schema."""
+        per_state = ([s[name] for s in self.states] for name in self.state_names)
+        return (self.params, self.grads, *per_state, self.masters)
 
 
 class _ScalerInputs:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer, grads_of
+from apex.optimizers._base import FusedOptimizer
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -38,22 +38,16 @@ class FusedAdagrad(FusedOptimizer):
         super().__init__(params, defaults, set_grad_none)
 
     def _step_group(self, group, scaler):
-        for (device, _, _, _, _), params in self._buckets(group).items():
-            host_lr, lr_tensor = self._lr(group, device)
-            grad_scale, found_inf = scaler.on(device)
-            states = [self._state(p, "sum") for p in params]
-            self._advance(states, device, found_inf)
+        for b in self._bucket_inputs(group, scaler, "sum"):
+            self._advance(b.states, b.device, b.found_inf)
             _ops.fused_adagrad(
                 self.chunk_size,
-                params,
-                grads_of(params),
-                [s["sum"] for s in states],
-                [],
-                host_lr,
+                *b.tensor_lists,
+                b.lr,
                 group["eps"],
                 group["weight_decay"],
                 self.adagrad_w_mode,
-                lr_tensor,
-                grad_scale,
-                found_inf,
+                b.lr_tensor,
+                b.grad_scale,
+                b.found_inf,
             )

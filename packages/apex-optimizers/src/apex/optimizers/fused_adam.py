@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer, grads_of
+from apex.optimizers._base import FusedOptimizer
 
 
 class FusedAdam(FusedOptimizer):
@@ -68,19 +68,12 @@ class FusedAdam(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, has_master, _), params in self._buckets(group).items():
-            host_lr, lr_tensor = self._lr(group, device)
-            states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
-            grad_scale, found_inf = scaler.on(device)
-            step, step_tensor = self._advance(states, device, found_inf)
+        for b in self._bucket_inputs(group, scaler, "exp_avg", "exp_avg_sq"):
+            step, step_tensor = self._advance(b.states, b.device, b.found_inf)
             _ops.fused_adam(
                 self.chunk_size,
-                params,
-                grads_of(params),
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                self._masters(params, states, has_master),
-                host_lr,
+                *b.tensor_lists,
+                b.lr,
                 step,
                 beta1,
                 beta2,
@@ -88,8 +81,8 @@ class FusedAdam(FusedOptimizer):
                 group["weight_decay"],
                 self.adam_w_mode,
                 group["bias_correction"],
-                lr_tensor,
+                b.lr_tensor,
                 step_tensor,
-                grad_scale,
-                found_inf,
+                b.grad_scale,
+                b.found_inf,
             )

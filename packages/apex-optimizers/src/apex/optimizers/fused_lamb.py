@@ -96,20 +96,13 @@ class FusedLAMB(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, has_master, _), params in self._buckets(group).items():
-            host_lr, lr_tensor = self._lr(group, device)
-            grad_scale, found_inf = scaler.on(device)
-            states = [self._state(p, "exp_avg", "exp_avg_sq") for p in params]
-            step, step_tensor = self._advance(states, device, found_inf)
+        for b in self._bucket_inputs(group, scaler, "exp_avg", "exp_avg_sq"):
+            step, step_tensor = self._advance(b.states, b.device, b.found_inf)
             _ops.fused_lamb(
                 self.chunk_size,
-                params,
-                grads_of(params),
-                [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states],
-                self._masters(params, states, has_master),
-                self._global_norm.to(device, non_blocking=True),
-                host_lr,
+                *b.tensor_lists,
+                self._global_norm.to(b.device, non_blocking=True),
+                b.lr,
                 step,
                 beta1,
                 beta2,
@@ -120,8 +113,8 @@ class FusedLAMB(FusedOptimizer):
                 group["grad_averaging"],
                 group["max_grad_norm"],
                 self.use_nvlamb,
-                lr_tensor,
+                b.lr_tensor,
                 step_tensor,
-                grad_scale,
-                found_inf,
+                b.grad_scale,
+                b.found_inf,
             )

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer, grads_of
+from apex.optimizers._base import FusedOptimizer
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -88,25 +88,23 @@ class FusedNovoGrad(FusedOptimizer):
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
-        for (device, _, _, _, _), params in self._buckets(group).items():
-            host_lr, lr_tensor = self._lr(group, device)
-            grad_scale, found_inf = scaler.on(device)
-            states = [self._state(p, "exp_avg") for p in params]
+        for b in self._bucket_inputs(group, scaler, "exp_avg"):
+            states = b.states
             for state in states:
-                state.setdefault("exp_avg_sq", torch.zeros((), dtype=torch.float32, device=device))
+                state.setdefault("exp_avg_sq", torch.zeros((), dtype=torch.float32, device=b.device))
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1.0)
-            grads = grads_of(params)
+            grads = b.grads
             second_moments = torch.stack([s["exp_avg_sq"] for s in states])
             _ops.fused_novograd(
                 self.chunk_size,
-                params,
+                b.params,
                 grads,
                 [s["exp_avg"] for s in states],
                 second_moments,
-                self._grad_norms(grads, group["norm_type"], grad_scale, device),
-                [],
-                host_lr,
+                self._grad_norms(grads, group["norm_type"], b.grad_scale, b.device),
+                b.masters,
+                b.lr,
                 int(steps[0].item()),
                 beta1,
                 beta2,
@@ -116,8 +114,8 @@ class FusedNovoGrad(FusedOptimizer):
                 group["grad_averaging"],
                 self.reg_inside_moment,
                 self.init_zero,
-                lr_tensor,
-                grad_scale,
-                found_inf,
+                b.lr_tensor,
+                b.grad_scale,
+                b.found_inf,
             )
             torch._foreach_copy_([s["exp_avg_sq"] for s in states], list(second_moments.unbind()))
