@@ -53,20 +53,15 @@ struct SumSquaresFunctor {
     float sum = 0.0f;
     bool finite = true;
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float v[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values v;
       group.load(v, in);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          if constexpr (Unscale) {
-            v[i][j] *= factor;
-            finite &= isfinite(v[i][j]);
-          }
-          sum += v[i][j] * v[i][j];
+      group.for_each_value([&](int i, int j) {
+        if constexpr (Unscale) {
+          v[i][j] *= factor;
+          finite &= isfinite(v[i][j]);
         }
-      }
+        sum += v[i][j] * v[i][j];
+      });
       if constexpr (kWrites) group.store(out, v);
     };
     if constexpr (kWrites) {

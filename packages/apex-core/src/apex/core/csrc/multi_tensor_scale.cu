@@ -30,17 +30,12 @@ struct ScaleFunctor {
     apex::for_each_element<apex::vector_width<In, Out>(), kAccessesInFlight>(
         chunk.size,
         [&](auto group) {
-          using Group = decltype(group);
-          float x[Group::kCount][Group::kWidth];
+          typename decltype(group)::Values x;
           group.load(x, in);
-#pragma unroll
-          for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-            for (int j = 0; j < Group::kWidth; ++j) {
-              finite &= isfinite(x[i][j]);
-              x[i][j] *= factor;
-            }
-          }
+          group.for_each_value([&](int i, int j) {
+            finite &= isfinite(x[i][j]);
+            x[i][j] *= factor;
+          });
           group.store(out, x);
         },
         in, out);

@@ -51,38 +51,26 @@ struct AdagradFunctor {
     Param* params = kMaster ? chunk.template data<Param>(3) : nullptr;
 
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float g[Group::kCount][Group::kWidth];
-      float h[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, g, h;
       group.load(p, current);
       group.load(g, grad);
       group.load(h, state_sum);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          float gj = g[i][j] * inv_grad_scale;
-          // Decay terms only when asked for: 0 * inf would turn an inf parameter's sum NaN.
-          if (l2_decay != 0.0f) gj += l2_decay * p[i][j];
-          const float hj = h[i][j] + gj * gj;
-          float update = gj / (__fsqrt_rn(hj) + eps);
-          if (decoupled_decay != 0.0f) update += decoupled_decay * p[i][j];
-          h[i][j] = hj;
-          p[i][j] -= lr * update;
-        }
-      }
+      group.for_each_value([&](int i, int j) {
+        float gj = g[i][j] * inv_grad_scale;
+        // Decay terms only when asked for: 0 * inf would turn an inf parameter's sum NaN.
+        if (l2_decay != 0.0f) gj += l2_decay * p[i][j];
+        const float hj = h[i][j] + gj * gj;
+        float update = gj / (__fsqrt_rn(hj) + eps);
+        if (decoupled_decay != 0.0f) update += decoupled_decay * p[i][j];
+        h[i][j] = hj;
+        p[i][j] -= lr * update;
+      });
       group.store(state_sum, h);
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
     };
-    constexpr int kWidth = apex::vector_width<Param, Grad, float>();
-    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
-    if constexpr (kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, state_sum, params);
-    } else {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, state_sum);
-    }
+    apex_optimizers::for_each_element<apex::vector_width<Param, Grad, float>(), kMaster>(chunk.size, body, params,
+                                                                                        current, grad, state_sum);
   }
 };
 
@@ -106,18 +94,8 @@ void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorLis
   args.adagrad_w_mode = adagrad_w_mode;
 
   const c10::cuda::CUDAGuard device_guard(*device);
-  apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", kOp,
-                              [&](auto param_tag, auto grad_tag) {
-                                using Param = typename decltype(param_tag)::type;
-                                using Grad = typename decltype(grad_tag)::type;
-                                if (master_params.empty()) {
-                                  apex::multi_tensor_apply<3>(chunk_size, {params, grads, state_sums},
-                                                              AdagradFunctor<Param, Grad, false>{args});
-                                } else {
-                                  apex::multi_tensor_apply<4>(chunk_size, {master_params, grads, state_sums, params},
-                                                              AdagradFunctor<Param, Grad, true>{args});
-                                }
-                              });
+  apex_optimizers::launch_elementwise<AdagradFunctor>(kOp, chunk_size, params, grads, master_params, args,
+                                                      state_sums);
 }
 
 }  // namespace

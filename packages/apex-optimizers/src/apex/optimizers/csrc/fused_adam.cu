@@ -75,49 +75,36 @@ struct AdamFunctor {
     Param* params = kMaster ? chunk.template data<Param>(4) : nullptr;
 
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float g[Group::kCount][Group::kWidth];
-      float m[Group::kCount][Group::kWidth];
-      float v[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, g, m, v;
       group.load(p, current);
       group.load(g, grad);
       group.load(m, exp_avg);
       group.load(v, exp_avg_sq);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          float pj = p[i][j];
-          float gj = g[i][j] * inv_grad_scale;
-          // Decay terms only when asked for: 0 * inf would turn an inf parameter's state NaN.
-          // p - (lr * wd) * p rather than p * (1 - lr * wd): no rounding of a factor near 1,
-          // whose error would repeat every step.
-          if (decoupled_decay != 0.0f) pj -= decoupled_decay * pj;
-          if (l2_decay != 0.0f) gj += l2_decay * pj;
-          const float mj = m[i][j] * beta1 + gj * one_minus_beta1;
-          const float vj = v[i][j] * beta2 + gj * gj * one_minus_beta2;
-          const float denom = __fsqrt_rn(vj) * inv_sqrt_bias_correction2 + eps;
-          // The reference's order; under --use_fast_math this one division per element is
-          // the approximate one (2 ulp), far below the size of the update.
-          pj -= step_size * mj / denom;
-          p[i][j] = pj;
-          m[i][j] = mj;
-          v[i][j] = vj;
-        }
-      }
+      group.for_each_value([&](int i, int j) {
+        float pj = p[i][j];
+        float gj = g[i][j] * inv_grad_scale;
+        // Decay terms only when asked for: 0 * inf would turn an inf parameter's state NaN.
+        // p - (lr * wd) * p rather than p * (1 - lr * wd): no rounding of a factor near 1,
+        // whose error would repeat every step.
+        if (decoupled_decay != 0.0f) pj -= decoupled_decay * pj;
+        if (l2_decay != 0.0f) gj += l2_decay * pj;
+        const float mj = m[i][j] * beta1 + gj * one_minus_beta1;
+        const float vj = v[i][j] * beta2 + gj * gj * one_minus_beta2;
+        const float denom = __fsqrt_rn(vj) * inv_sqrt_bias_correction2 + eps;
+        // The reference's order; under --use_fast_math this one division per element is
+        // the approximate one (2 ulp), far below the size of the update.
+        pj -= step_size * mj / denom;
+        p[i][j] = pj;
+        m[i][j] = mj;
+        v[i][j] = vj;
+      });
       group.store(exp_avg, m);
       group.store(exp_avg_sq, v);
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
     };
-    constexpr int kWidth = apex::vector_width<Param, Grad, float>();
-    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
-    if constexpr (kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, exp_avg, exp_avg_sq, params);
-    } else {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, exp_avg, exp_avg_sq);
-    }
+    apex_optimizers::for_each_element<apex::vector_width<Param, Grad, float>(), kMaster>(
+        chunk.size, body, params, current, grad, exp_avg, exp_avg_sq);
   }
 };
 
@@ -160,19 +147,8 @@ void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
   args.bias_correction = bias_correction;
 
   const c10::cuda::CUDAGuard device_guard(*device);
-  apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", kOp,
-                              [&](auto param_tag, auto grad_tag) {
-                                using Param = typename decltype(param_tag)::type;
-                                using Grad = typename decltype(grad_tag)::type;
-                                if (master_params.empty()) {
-                                  apex::multi_tensor_apply<4>(chunk_size, {params, grads, exp_avgs, exp_avg_sqs},
-                                                              AdamFunctor<Param, Grad, false>{args});
-                                } else {
-                                  apex::multi_tensor_apply<5>(
-                                      chunk_size, {master_params, grads, exp_avgs, exp_avg_sqs, params},
-                                      AdamFunctor<Param, Grad, true>{args});
-                                }
-                              });
+  apex_optimizers::launch_elementwise<AdamFunctor>(kOp, chunk_size, params, grads, master_params, args, exp_avgs,
+                                                   exp_avg_sqs);
 }
 
 }  // namespace

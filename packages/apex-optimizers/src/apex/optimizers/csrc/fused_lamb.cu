@@ -99,36 +99,28 @@ struct LambUpdateFunctor {
     float param_sq = 0.0f;
     float update_sq = 0.0f;
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float g[Group::kCount][Group::kWidth];
-      float m[Group::kCount][Group::kWidth];
-      float v[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, g, m, v;
       group.load(p, current);
       group.load(g, grad);
       group.load(m, exp_avg);
       group.load(v, exp_avg_sq);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          const float pj = p[i][j];
-          float gj = g[i][j] * grad_factor;
-          // Decay terms only when asked for: 0 * inf would turn an inf parameter's state NaN.
-          if (l2_decay != 0.0f) gj += l2_decay * pj;
-          const float mj = m[i][j] * beta1 + gj * beta3;
-          const float vj = v[i][j] * beta2 + gj * gj * one_minus_beta2;
-          float uj = mj * inv_bias_correction1 / (__fsqrt_rn(vj * inv_bias_correction2) + eps);
-          if (decoupled_decay != 0.0f) uj += decoupled_decay * pj;
-          m[i][j] = mj;
-          v[i][j] = vj;
-          g[i][j] = uj;
-          if (norms) {
-            param_sq += pj * pj;
-            update_sq += uj * uj;
-          }
+      group.for_each_value([&](int i, int j) {
+        const float pj = p[i][j];
+        float gj = g[i][j] * grad_factor;
+        // Decay terms only when asked for: 0 * inf would turn an inf parameter's state NaN.
+        if (l2_decay != 0.0f) gj += l2_decay * pj;
+        const float mj = m[i][j] * beta1 + gj * beta3;
+        const float vj = v[i][j] * beta2 + gj * gj * one_minus_beta2;
+        float uj = mj * inv_bias_correction1 / (__fsqrt_rn(vj * inv_bias_correction2) + eps);
+        if (decoupled_decay != 0.0f) uj += decoupled_decay * pj;
+        m[i][j] = mj;
+        v[i][j] = vj;
+        g[i][j] = uj;
+        if (norms) {
+          param_sq += pj * pj;
+          update_sq += uj * uj;
         }
-      }
+      });
       group.store(exp_avg, m);
       group.store(exp_avg_sq, v);
       group.store(update, g);
@@ -199,26 +191,15 @@ struct LambApplyFunctor {
     Param* params = kMaster ? chunk.template data<Param>(2) : nullptr;
 
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float u[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, u;
       group.load(p, current);
       group.load(u, update);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) p[i][j] -= step * u[i][j];
-      }
+      group.for_each_value([&](int i, int j) { p[i][j] -= step * u[i][j]; });
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
     };
-    constexpr int kWidth = apex::vector_width<Param, float>();
-    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
-    if constexpr (kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, update, params);
-    } else {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, update);
-    }
+    apex_optimizers::for_each_element<apex::vector_width<Param, float>(), kMaster>(chunk.size, body, params, current,
+                                                                                  update);
   }
 };
 

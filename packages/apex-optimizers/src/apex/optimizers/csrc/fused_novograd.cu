@@ -86,38 +86,26 @@ struct NovoGradFunctor {
     Param* params = kMaster ? chunk.template data<Param>(3) : nullptr;
 
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float g[Group::kCount][Group::kWidth];
-      float m[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, g, m;
       group.load(p, current);
       group.load(g, grad);
       group.load(m, exp_avg);
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          float gj = g[i][j] * grad_factor;
-          // Decay terms only when asked for: 0 * inf would turn an inf parameter's moment NaN.
-          if (inner_decay != 0.0f) gj += inner_decay * p[i][j];
-          const float mj = m[i][j] * beta1 + gj * beta3;
-          float update = mj * inv_bias_correction1;
-          if (outer_decay != 0.0f) update += outer_decay * p[i][j];
-          m[i][j] = mj;
-          p[i][j] -= lr * update;
-        }
-      }
+      group.for_each_value([&](int i, int j) {
+        float gj = g[i][j] * grad_factor;
+        // Decay terms only when asked for: 0 * inf would turn an inf parameter's moment NaN.
+        if (inner_decay != 0.0f) gj += inner_decay * p[i][j];
+        const float mj = m[i][j] * beta1 + gj * beta3;
+        float update = mj * inv_bias_correction1;
+        if (outer_decay != 0.0f) update += outer_decay * p[i][j];
+        m[i][j] = mj;
+        p[i][j] -= lr * update;
+      });
       group.store(exp_avg, m);
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
     };
-    constexpr int kWidth = apex::vector_width<Param, Grad, float>();
-    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
-    if constexpr (kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, exp_avg, params);
-    } else {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, exp_avg);
-    }
+    apex_optimizers::for_each_element<apex::vector_width<Param, Grad, float>(), kMaster>(chunk.size, body, params,
+                                                                                        current, grad, exp_avg);
   }
 };
 
@@ -175,18 +163,8 @@ void fused_novograd_cuda(int64_t chunk_size, at::TensorList params, at::TensorLi
   args.weight_decay = static_cast<float>(weight_decay);
   args.reg_inside_moment = reg_inside_moment;
 
-  apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", kOp,
-                              [&](auto param_tag, auto grad_tag) {
-                                using Param = typename decltype(param_tag)::type;
-                                using Grad = typename decltype(grad_tag)::type;
-                                if (master_params.empty()) {
-                                  apex::multi_tensor_apply<3>(chunk_size, {params, grads, exp_avgs},
-                                                              NovoGradFunctor<Param, Grad, false>{args});
-                                } else {
-                                  apex::multi_tensor_apply<4>(chunk_size, {master_params, grads, exp_avgs, params},
-                                                              NovoGradFunctor<Param, Grad, true>{args});
-                                }
-                              });
+  apex_optimizers::launch_elementwise<NovoGradFunctor>(kOp, chunk_size, params, grads, master_params, args,
+                                                       exp_avgs);
 }
 
 }  // namespace

@@ -62,46 +62,35 @@ struct SgdFunctor {
     Param* params = kMaster ? chunk.template data<Param>(kParamsList) : nullptr;
 
     auto body = [&](auto group) {
-      using Group = decltype(group);
-      float p[Group::kCount][Group::kWidth];
-      float g[Group::kCount][Group::kWidth];
-      [[maybe_unused]] float b[Group::kCount][Group::kWidth];
+      typename decltype(group)::Values p, g;
+      [[maybe_unused]] typename decltype(group)::Values b;
       group.load(p, current);
       group.load(g, grad);
       // The first step overwrites the buffer with the gradient; it is not read.
       if constexpr (kMomentum) {
         if (!first_run) group.load(b, buffer);
       }
-#pragma unroll
-      for (int i = 0; i < Group::kCount; ++i) {
-#pragma unroll
-        for (int j = 0; j < Group::kWidth; ++j) {
-          float gj = g[i][j] * inv_grad_scale;
-          // Decay terms only when asked for: 0 * inf would turn an inf parameter's buffer NaN.
-          if (decay_before != 0.0f) gj += decay_before * p[i][j];
-          if constexpr (kMomentum) {
-            const float bj = first_run ? gj : b[i][j] * momentum + gj * one_minus_dampening;
-            b[i][j] = bj;
-            gj = nesterov ? gj + momentum * bj : bj;
-          }
-          if (decay_after != 0.0f) gj += decay_after * p[i][j];
-          p[i][j] -= lr * gj;
+      group.for_each_value([&](int i, int j) {
+        float gj = g[i][j] * inv_grad_scale;
+        // Decay terms only when asked for: 0 * inf would turn an inf parameter's buffer NaN.
+        if (decay_before != 0.0f) gj += decay_before * p[i][j];
+        if constexpr (kMomentum) {
+          const float bj = first_run ? gj : b[i][j] * momentum + gj * one_minus_dampening;
+          b[i][j] = bj;
+          gj = nesterov ? gj + momentum * bj : bj;
         }
-      }
+        if (decay_after != 0.0f) gj += decay_after * p[i][j];
+        p[i][j] -= lr * gj;
+      });
       if constexpr (kMomentum) group.store(buffer, b);
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
     };
     constexpr int kWidth = apex::vector_width<Param, Grad, float>();
-    constexpr int kCount = apex_optimizers::accesses_in_flight<kWidth>();
-    if constexpr (kMomentum && kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, buffer, params);
-    } else if constexpr (kMomentum) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, buffer);
-    } else if constexpr (kMaster) {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad, params);
+    if constexpr (kMomentum) {
+      apex_optimizers::for_each_element<kWidth, kMaster>(chunk.size, body, params, current, grad, buffer);
     } else {
-      apex::for_each_element<kWidth, kCount>(chunk.size, body, current, grad);
+      apex_optimizers::for_each_element<kWidth, kMaster>(chunk.size, body, params, current, grad);
     }
   }
 };

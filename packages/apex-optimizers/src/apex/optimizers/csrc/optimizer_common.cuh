@@ -1,6 +1,7 @@
 // Shared by the fused optimizer kernels of apex-optimizers: the argument checks of
-// apex/optimizers/_ops.py (_check_common) in C++, with the same wording, and the per-block
-// reads of the device scalars (lr_tensor, step_tensor, grad_scale, found_inf).
+// apex/optimizers/_ops.py (_check_common) in C++, with the same wording, the per-block
+// reads of the device scalars (lr_tensor, step_tensor, grad_scale, found_inf), and the element
+// loop and launch that the element-wise optimizers have in common.
 //
 // Conventions of every fused optimizer (see _ops.py): lists params, grads, states (fp32) and
 // optionally fp32 master_params; with master_params the update is computed on the master
@@ -17,6 +18,9 @@
 #include <optional>
 
 #include <apex/checks.h>
+#include <apex/dispatch.h>
+#include <apex/multi_tensor_apply.cuh>
+#include <apex/vectorized.cuh>
 
 namespace apex_optimizers {
 
@@ -100,6 +104,40 @@ inline DeviceScalars device_scalars(const std::optional<at::Tensor>& lr_tensor,
                                     const std::optional<at::Tensor>& grad_scale,
                                     const std::optional<at::Tensor>& found_inf) {
   return {optional_ptr(lr_tensor), optional_ptr(grad_scale), optional_ptr(found_inf)};
+}
+
+// apex::for_each_element over a functor's lists, with the written-only low-precision params
+// last when kMaster (they are one more array that must share the alignment).
+template <int Width, bool kMaster, typename Body, typename Param, typename... Ts>
+__device__ __forceinline__ void for_each_element(int64_t n, Body& body, Param* params, const Ts*... ptrs) {
+  constexpr int kCount = accesses_in_flight<Width>();
+  if constexpr (kMaster) {
+    apex::for_each_element<Width, kCount>(n, body, ptrs..., params);
+  } else {
+    apex::for_each_element<Width, kCount>(n, body, ptrs...);
+  }
+}
+
+// The launch of an element-wise optimizer whose Functor<Param, Grad, kMaster> takes the lists
+// of the convention above: the parameter it updates (master_params when given), grads, the
+// state lists, and with master_params the params last (written only).
+template <template <typename, typename, bool> class Functor, typename Args, typename... States>
+void launch_elementwise(const char* op, int64_t chunk_size, at::TensorList params, at::TensorList grads,
+                        at::TensorList master_params, const Args& args, States... states) {
+  apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", op,
+                              [&](auto param_tag, auto grad_tag) {
+                                using Param = typename decltype(param_tag)::type;
+                                using Grad = typename decltype(grad_tag)::type;
+                                constexpr int kDepth = 2 + sizeof...(States);
+                                if (master_params.empty()) {
+                                  apex::multi_tensor_apply<kDepth>(chunk_size, {params, grads, states...},
+                                                                   Functor<Param, Grad, false>{args});
+                                } else {
+                                  apex::multi_tensor_apply<kDepth + 1>(chunk_size,
+                                                                       {master_params, grads, states..., params},
+                                                                       Functor<Param, Grad, true>{args});
+                                }
+                              });
 }
 
 // 1 - beta^step from an fp32 step read on the device, rounded as the reference computes it

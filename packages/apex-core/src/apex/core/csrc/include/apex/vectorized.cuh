@@ -6,10 +6,9 @@
 //
 //   constexpr int kWidth = apex::vector_width<In, Out>();   // 16-byte accesses of the narrowest type
 //   apex::for_each_element<kWidth, 4>(n, [&](auto group) {
-//     using G = decltype(group);
-//     float x[G::kCount][G::kWidth];
+//     typename decltype(group)::Values x;
 //     group.load(x, in);                       // every load in flight before the first use
-//     for (...) x[i][j] = f(x[i][j]);
+//     group.for_each_value([&](int i, int j) { x[i][j] = f(x[i][j]); });
 //     group.store(out, x);
 //   }, in, out);
 //
@@ -143,7 +142,21 @@ struct ElementGroups {
   int64_t first;
   int64_t stride;
 
+  // The registers of one array's elements: load fills, store writes back.
+  using Values = float[Count][Width];
+
   C10_DEVICE C10_ALWAYS_INLINE int64_t offset(int i) const { return first + i * stride; }
+
+  // The element-wise step between a body's loads and stores: f(i, j) for every element, fully
+  // unrolled so that the register arrays stay in registers.
+  template <typename F>
+  C10_DEVICE C10_ALWAYS_INLINE void for_each_value(F&& f) const {
+#pragma unroll
+    for (int i = 0; i < Count; ++i) {
+#pragma unroll
+      for (int j = 0; j < Width; ++j) f(i, j);
+    }
+  }
 
   template <typename T>
   C10_DEVICE C10_ALWAYS_INLINE void load(float (&dst)[Count][Width], const T* src) const {
