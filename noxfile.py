@@ -109,11 +109,15 @@ def build(session: nox.Session) -> None:
 
 
 def _check_wheel(session: nox.Session, wheel: Path) -> str:
+    """apex/__init__.py (the namespace with lazy attribute access) is apex-core's alone."""
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-    for forbidden in ("apex/__init__.py", "apex/contrib/__init__.py"):
-        if forbidden in names:
-            session.error(f"{wheel.name} carries {forbidden}: apex must stay a namespace package")
+    is_core = wheel.name.startswith("apex_core-")
+    if ("apex/__init__.py" in names) != is_core:
+        where = "apex-core's wheel lacks" if is_core else f"{wheel.name} carries"
+        session.error(f"{where} apex/__init__.py: only apex-core ships the apex namespace's __init__")
+    if "apex/contrib/__init__.py" in names:
+        session.error(f"{wheel.name} carries apex/contrib/__init__.py: apex.contrib must stay a namespace package")
     return wheel.name.split("-")[1]
 
 
@@ -156,8 +160,8 @@ def wheels(session: nox.Session) -> None:
 
 
 _IMPORT_CHECK = """
-import importlib, apex
-assert apex.__file__ is None, apex.__file__
+import importlib, sys, apex
+assert apex.__file__.endswith("apex/__init__.py") and "torch" not in sys.modules, apex.__file__
 for name in {modules}:
     importlib.import_module(name)
 print("imported", {modules})

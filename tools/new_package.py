@@ -180,7 +180,7 @@ dependencies = ["apex-core==${version}", "torch>=2.4"]
 [project.entry-points."apex.plugins"]
 ${plugin} = "${import_path}._plugin:PLUGIN"
 
-# Ship ${package_dir} only: the folders above it stay namespaces, without an __init__.py of ours.
+# Ship ${package_dir} only: apex/__init__.py is apex-core's, and apex/contrib stays a namespace.
 [tool.hatch.build.targets.wheel]
 only-include = ["${package_dir}"]
 sources = ["src"]

@@ -123,7 +123,7 @@ def test_pure_install_takes_seconds(tmp_path):
     names = zipfile.ZipFile(wheels[0]).namelist()
     assert "apex/core/csrc/include/apex/multi_tensor_apply.cuh" in names
     assert not any(n.endswith(".so") for n in names)
-    assert "apex/__init__.py" not in names
+    assert "apex/__init__.py" in names  # apex-core's alone: the namespace with lazy attributes
 
 
 def test_shared_headers_ship_with_the_package():

@@ -3,16 +3,59 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
 import apex
 import apex.core
 
+OWNER = "apex-core"  # the one distribution that ships apex/__init__.py (the lazy attribute access)
 
-def test_apex_is_a_namespace_package():
-    assert apex.__file__ is None
-    assert not any((Path(p) / "__init__.py").exists() for p in apex.__path__)
+
+def test_apex_is_one_namespace_owned_by_apex_core():
+    """apex/__init__.py is apex-core's (pkgutil-style: every folder holding an apex/ portion is on
+    apex.__path__); no other folder of apex.__path__ has an __init__.py of its own."""
+    init = Path(apex.__file__).resolve()
+    assert init == Path(apex.core.__file__).resolve().parents[1] / "__init__.py"
+    others = [Path(p) for p in apex.__path__ if Path(p).is_dir() and Path(p).resolve() != init.parent]
+    assert not any((p / "__init__.py").exists() for p in others)
+
+
+def test_import_apex_then_attributes_as_upstream():
+    """Code written for upstream Apex: ``import apex`` alone, then ``apex.<package>.<name>``, with
+    nothing imported (torch included) until an attribute is used."""
+    code = """
+import sys
+import apex
+assert "torch" not in sys.modules, "import apex imported torch"
+assert not [m for m in sys.modules if m.startswith("apex.")], "import apex imported a package"
+installed = {d.metadata["Name"] for d in __import__("importlib.metadata").metadata.distributions()}
+wanted = {
+    "apex-optimizers": ["apex.optimizers.FusedAdam", "apex.optimizers.FusedLAMB"],
+    "apex-parallel": ["apex.parallel.SyncBatchNorm", "apex.parallel.convert_syncbn_model", "apex.parallel.LARC"],
+    "apex-amp": ["apex.amp.initialize", "apex.amp.scale_loss", "apex.fp16_utils.FP16Model"],
+    "apex-normalization": ["apex.normalization.FusedLayerNorm", "apex.normalization.FusedRMSNorm"],
+    "apex-core": ["apex.multi_tensor_apply.multi_tensor_applier", "apex.core.status"],
+}
+for dist, names in wanted.items():
+    if dist in installed:
+        for name in names:
+            assert eval(name) is not None, name
+            assert hasattr(apex, name.split(".")[1]), name
+import apex.optimizers
+if "apex-optimizers" in installed:
+    assert isinstance(apex.optimizers.FusedAdam, type)
+assert not hasattr(apex, "no_such_package")
+try:
+    apex.no_such_package
+except AttributeError as exc:
+    assert "no installed apex package provides it" in str(exc), exc
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
 
 
 def test_installed_apex_core_is_ours():
@@ -32,10 +75,11 @@ def test_installed_apex_core_is_ours():
     ), f"apex.core at {located} is not from the apex-core distribution"
 
 
-def test_no_apex_distribution_ships_a_namespace_init():
+def test_only_apex_core_ships_the_namespace_init():
     for dist in metadata.distributions():
         name = (dist.metadata["Name"] or "").lower()
         if name == "apex" or name.startswith("apex-"):
             files = {str(f) for f in dist.files or []}
-            assert "apex/__init__.py" not in files, name
+            if name != OWNER:
+                assert "apex/__init__.py" not in files, name
             assert "apex/contrib/__init__.py" not in files, name

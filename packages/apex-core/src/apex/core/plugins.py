@@ -9,6 +9,7 @@ plugin still works. All apex distributions share one version (lockstep).
 from __future__ import annotations
 
 import importlib
+import pkgutil
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -65,6 +66,8 @@ def _scan_namespace() -> list[tuple[str, str]]:
             package = importlib.import_module(prefix)
         except ImportError:
             continue
+        if prefix == "apex":  # pkgutil-style (apex/__init__.py): pick up folders added to sys.path since
+            package.__path__ = pkgutil.extend_path(package.__path__, prefix)
         for folder in map(Path, package.__path__):
             for candidate in sorted(folder.glob("*/_plugin.py")):
                 name = candidate.parent.name
