@@ -374,3 +374,47 @@ def test_second_device_runs_there():
         assert_matches(out, x.double() * 4.0, torch.float16)
     expected = torch.stack([x.double().norm() for x in xs]).cpu()
     torch.testing.assert_close(per.cpu().double(), expected, rtol=1e-5, atol=0)
+
+
+# dense non-contiguous layouts ---------------------------------------------------------------
+
+
+def _channels_last(device, dtype=torch.float32, count=2):
+    # 2*5*3*13 = 390 elements: channels-last is not contiguous, and spans several CHUNKs
+    return [
+        torch.randn(2, 5, 3, 13, device=device).to(dtype).contiguous(memory_format=torch.channels_last)
+        for _ in range(count)
+    ]
+
+
+def test_channels_last_lists_are_accepted(device):
+    """Upstream's multi-tensor apply takes channels-last tensors: same shape and strides at one
+    index of every list, an element-wise pass over the storage."""
+    x, y = _channels_last(device), _channels_last(device)
+    out = [torch.full_like(t, float("nan")) for t in x]
+    assert not x[0].is_contiguous() and out[0].stride() == x[0].stride()
+    _ops.multi_tensor_scale(CHUNK, flag(device), x, out, 0.5)
+    for xi, oi in zip(x, out):
+        torch.testing.assert_close(oi, xi * 0.5)
+    _ops.multi_tensor_axpby(CHUNK, flag(device), x, y, out, 2.0, -1.0, -1)
+    for xi, yi, oi in zip(x, y, out):
+        torch.testing.assert_close(oi, 2.0 * xi - yi)
+    total, per = _ops.multi_tensor_l2norm(CHUNK, flag(device), x, True)
+    torch.testing.assert_close(per, torch.stack([t.norm() for t in x]))
+    torch.testing.assert_close(total.reshape(()), per.norm())
+    inv = torch.tensor([0.25], device=device)
+    _ops.multi_tensor_unscale_l2norm(CHUNK, flag(device), x, out, inv, True)
+    for xi, oi in zip(x, out):
+        torch.testing.assert_close(oi, xi * 0.25)
+
+
+def test_other_layouts_at_one_index_and_strided_views_are_refused(device):
+    x = _channels_last(device)
+    contiguous_out = [torch.empty(t.shape, device=device) for t in x]
+    with pytest.raises(ValueError, match=r"inputs\[0\] is not contiguous and outputs\[0\] has another layout"):
+        _ops.multi_tensor_scale(CHUNK, flag(device), x, contiguous_out, 1.0)
+    with pytest.raises(ValueError, match=r"x\[0\] is not contiguous and y\[0\] has another layout"):
+        _ops.multi_tensor_axpby(CHUNK, flag(device), x, contiguous_out, contiguous_out, 1.0, 1.0, -1)
+    view = torch.randn(8, 6, device=device)[:, ::2]
+    with pytest.raises(ValueError, match=r"inputs\[1\] is not contiguous and not dense"):
+        _ops.multi_tensor_l2norm(CHUNK, flag(device), [x[0], view], False)

@@ -9,6 +9,8 @@ Arithmetic is done in float32 whatever the storage dtype. How an op is written:
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from apex.core import checks
@@ -29,6 +31,7 @@ def _check_outputs(a, inputs: str, outputs: str) -> None:
     """List ``outputs`` matches list ``inputs``, tensor by tensor, in length and element count."""
     checks.same_lengths(a.op, **{inputs: getattr(a, inputs), outputs: getattr(a, outputs)})
     checks.tensor_list(a.op, outputs, getattr(a, outputs), a.device)
+    checks.same_layouts(a.op, **{inputs: getattr(a, inputs), outputs: getattr(a, outputs)})
     for i, (x, out) in enumerate(zip(getattr(a, inputs), getattr(a, outputs))):
         if x.numel() != out.numel():
             raise ValueError(f"{a.op}: {outputs}[{i}] has {out.numel()} elements but {inputs}[{i}] has {x.numel()}")
@@ -68,7 +71,7 @@ def multi_tensor_scale(a):
     upcast = [x.float() for x in a.inputs]
     bad = _any_nonfinite(upcast)
     for xf, out in zip(upcast, a.outputs):
-        out.view(-1).copy_((xf * factor).view(-1))
+        out.copy_((xf * factor).reshape(out.shape))
     _raise_flag(a.noop_flag, bad)
 
 
@@ -77,6 +80,7 @@ def _check_axpby(a) -> None:
     checks.same_lengths(a.op, x=a.x, y=a.y, out=a.out)
     for name in ("x", "y", "out"):
         checks.tensor_list(a.op, name, getattr(a, name), a.device)
+    checks.same_layouts(a.op, x=a.x, y=a.y, out=a.out)
     for i, (xi, yi, oi) in enumerate(zip(a.x, a.y, a.out)):
         if not (xi.numel() == yi.numel() == oi.numel()):
             raise ValueError(
@@ -101,7 +105,7 @@ def multi_tensor_axpby(a):
     checked = {-1: xf + yf, 0: xf, 1: yf}[a.arg_to_check]
     bad = _any_nonfinite(checked)
     for xi, yi, oi in zip(xf, yf, a.out):
-        oi.view(-1).copy_((a.a * xi + a.b * yi).view(-1))
+        oi.copy_((a.a * xi + a.b * yi.reshape(xi.shape)).reshape(oi.shape))
     _raise_flag(a.noop_flag, bad)
 
 
@@ -154,7 +158,7 @@ def multi_tensor_unscale_l2norm(a):
     bad = _any_nonfinite(unscaled)
     result = _norms(unscaled, a.per_tensor, a.device)
     for u, out in zip(unscaled, a.outputs):
-        out.view(-1).copy_(u.view(-1))
+        out.copy_(u.reshape(out.shape))
     _raise_flag(a.noop_flag, bad)
     return result
 
@@ -168,8 +172,8 @@ def _check_update_scale(a) -> None:
         raise ValueError(f"{a.op}: growth_interval must be positive, got {a.growth_interval}")
     if a.hysteresis <= 0:
         raise ValueError(f"{a.op}: hysteresis must be positive, got {a.hysteresis}")
-    if not a.growth_factor > 1.0:
-        raise ValueError(f"{a.op}: growth_factor must be > 1, got {a.growth_factor}")
+    if not (math.isfinite(a.growth_factor) and a.growth_factor >= 1.0):  # 1.0: the scale never grows
+        raise ValueError(f"{a.op}: growth_factor must be finite and >= 1, got {a.growth_factor}")
     if not 0.0 < a.backoff_factor < 1.0:
         raise ValueError(f"{a.op}: backoff_factor must be in (0, 1), got {a.backoff_factor}")
 

@@ -41,15 +41,56 @@ def same_lengths(op: str, **lists: Sequence) -> int:
     return next(iter(lengths.values()), 0)
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Contiguous, or a permutation of a contiguous layout (channels-last, a transpose): the
+    elements fill ``numel`` consecutive places of the storage, so an element-wise kernel over
+    the storage sees each once."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return tuple(t.shape), tuple(stride for size, stride in zip(t.shape, t.stride()) if size != 1)
+
+
+def same_layouts(op: str, **lists: Sequence[torch.Tensor]) -> None:
+    """Tensors at one index of the lists are all contiguous, or have one shape and one stride
+    order (checked with :func:`tensor_list`'s density): an element-wise kernel over the storage
+    then pairs the same elements. Lists shorter than the first are skipped past their end."""
+    named = list(lists.items())
+    for i in range(max((len(v) for v in lists.values()), default=0)):
+        at = [(name, tensors[i]) for name, tensors in named if i < len(tensors)]
+        odd = next(((name, t) for name, t in at if not t.is_contiguous()), None)
+        if odd is None:
+            continue
+        odd_name, odd_t = odd
+        for name, t in at:
+            if t is not odd_t and _layout(t) != _layout(odd_t):
+                raise ValueError(
+                    f"{op}: {odd_name}[{i}] is not contiguous and {name}[{i}] has another layout (shape "
+                    f"{tuple(odd_t.shape)} strides {odd_t.stride()} vs shape {tuple(t.shape)} strides {t.stride()}); "
+                    "a non-contiguous tensor needs the same shape and strides at its index of every list"
+                )
+
+
 def tensor_list(
     op: str,
     name: str,
     tensors: Sequence[torch.Tensor],
     device: torch.device | None,
     dtypes=FLOAT_DTYPES,
-    contiguous: bool = True,
+    dense: bool = True,
 ) -> torch.device | None:
-    """Check one list's tensors: one dtype among ``dtypes``, one device, dense. Returns the device."""
+    """Check one list's tensors: one dtype among ``dtypes``, one device, dense (contiguous or a
+    permutation of it, such as channels-last: see :func:`is_dense`; ops taking several lists
+    also check :func:`same_layouts`). Returns the device."""
     first_dtype = None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
@@ -69,8 +110,11 @@ def tensor_list(
             device = t.device
         elif t.device != device:
             raise ValueError(f"{op}: {name}[{i}] is on {t.device}, expected {device}")
-        if contiguous and not t.is_contiguous():
-            raise ValueError(f"{op}: {name}[{i}] is not contiguous")
+        if dense and not is_dense(t):
+            raise ValueError(
+                f"{op}: {name}[{i}] is not contiguous and not dense (a strided view with gaps or overlaps, "
+                f"shape {tuple(t.shape)} strides {t.stride()}); pass a contiguous tensor"
+            )
     return device
 
 

@@ -60,6 +60,7 @@ void multi_tensor_axpby_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at
   const auto x_dtype = checks::tensor_list(kOp, "x", x, device);
   const auto y_dtype = checks::tensor_list(kOp, "y", y, device);
   const auto out_dtype = checks::tensor_list(kOp, "out", out, device);
+  checks::same_layouts(kOp, {{"x", x}, {"y", y}, {"out", out}});
   for (size_t i = 0; i < x.size(); ++i) {
     TORCH_CHECK_VALUE(x[i].numel() == y[i].numel() && y[i].numel() == out[i].numel(), kOp, ": x[", i, "], y[", i,
                       "] and out[", i, "] must have the same number of elements (", x[i].numel(), ", ",

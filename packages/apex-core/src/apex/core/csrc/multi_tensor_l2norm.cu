@@ -184,6 +184,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cuda(int64_t chun
   if (!outputs.empty()) {
     checks::same_lengths(op, {{"inputs", inputs.size()}, {"outputs", outputs.size()}});
     checks::tensor_list(op, "outputs", outputs, device);
+    checks::same_layouts(op, {{"inputs", inputs}, {"outputs", outputs}});
     checks::same_numel(op, "outputs", outputs, "inputs", inputs);
   }
   checks::scalar_tensor(op, "inv_scale", inv_scale, {at::kFloat}, device);

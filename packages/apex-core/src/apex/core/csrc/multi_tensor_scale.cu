@@ -51,6 +51,7 @@ void multi_tensor_scale_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at
   checks::same_lengths(kOp, {{"inputs", inputs.size()}, {"outputs", outputs.size()}});
   const auto in_dtype = checks::tensor_list(kOp, "inputs", inputs, device);
   const auto out_dtype = checks::tensor_list(kOp, "outputs", outputs, device);
+  checks::same_layouts(kOp, {{"inputs", inputs}, {"outputs", outputs}});
   checks::same_numel(kOp, "outputs", outputs, "inputs", inputs);
   const float* scale_ptr = nullptr;
   if (scale_tensor.has_value() && scale_tensor->defined()) {

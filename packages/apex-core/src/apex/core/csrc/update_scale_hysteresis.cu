@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include <apex/checks.h>
 
 namespace {
@@ -42,7 +44,9 @@ void update_scale_hysteresis_cuda(const at::Tensor& current_scale, const at::Ten
   checks::scalar_tensor(kOp, "found_inf", found_inf, {at::kFloat}, device);
   TORCH_CHECK_VALUE(growth_interval > 0, kOp, ": growth_interval must be positive, got ", growth_interval);
   TORCH_CHECK_VALUE(hysteresis > 0, kOp, ": hysteresis must be positive, got ", hysteresis);
-  TORCH_CHECK_VALUE(growth_factor > 1.0, kOp, ": growth_factor must be > 1, got ", growth_factor);
+  // 1.0 is allowed (the scale then never grows); NaN fails the comparison
+  TORCH_CHECK_VALUE(std::isfinite(growth_factor) && growth_factor >= 1.0, kOp,
+                    ": growth_factor must be finite and >= 1, got ", growth_factor);
   TORCH_CHECK_VALUE(backoff_factor > 0.0 && backoff_factor < 1.0, kOp, ": backoff_factor must be in (0, 1), got ",
                     backoff_factor);
 

@@ -11,6 +11,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <initializer_list>
@@ -90,11 +91,56 @@ inline size_t same_lengths(const char* op,
   return lists.size() ? lists.begin()->second : 0;
 }
 
-// One list's tensors: one dtype among `dtypes`, all on `device`, dense (and contiguous unless
-// told otherwise). Returns the list's dtype, or nullopt for an empty list.
+// Contiguous, or a permutation of a contiguous layout (channels-last, a transpose): the elements
+// fill numel() consecutive places of the storage, so an element-wise kernel over the storage
+// sees each once (is_dense of checks.py).
+inline bool is_dense(const at::Tensor& t) { return t.is_contiguous() || t.is_non_overlapping_and_dense(); }
+
+// One shape, and one stride in every dimension of more than one element.
+inline bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  if (a.sizes() != b.sizes()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// Tensors at one index of the lists are all contiguous, or have one shape and stride order
+// (same_layouts of checks.py): an element-wise kernel over the storage then pairs the same
+// elements. Lists shorter than others are skipped past their end.
+using NamedTensorList = std::pair<const char*, at::TensorList>;
+
+inline void same_layouts(const char* op, c10::ArrayRef<NamedTensorList> lists) {
+  size_t longest = 0;
+  for (const auto& list : lists) longest = std::max(longest, list.second.size());
+  for (size_t i = 0; i < longest; ++i) {
+    const NamedTensorList* odd = nullptr;
+    for (const auto& list : lists) {
+      if (i < list.second.size() && !list.second[i].is_contiguous()) {
+        odd = &list;
+        break;
+      }
+    }
+    if (odd == nullptr) continue;
+    const at::Tensor& ref = odd->second[i];
+    for (const auto& list : lists) {
+      if (i >= list.second.size() || &list == odd) continue;
+      const at::Tensor& t = list.second[i];
+      TORCH_CHECK_VALUE(same_layout(ref, t), op, ": ", odd->first, "[", i, "] is not contiguous and ", list.first,
+                        "[", i, "] has another layout (shape ", shape_string(ref.sizes()), " strides ",
+                        shape_string(ref.strides()), " vs shape ", shape_string(t.sizes()), " strides ",
+                        shape_string(t.strides()),
+                        "); a non-contiguous tensor needs the same shape and strides at its index of every list");
+    }
+  }
+}
+
+// One list's tensors: one dtype among `dtypes`, all on `device`, dense (contiguous or a
+// permutation of it, see is_dense; ops taking several lists also check same_layouts) unless
+// told otherwise. Returns the list's dtype, or nullopt for an empty list.
 inline std::optional<c10::ScalarType> tensor_list(
     const char* op, const char* name, at::TensorList tensors, c10::Device device,
-    c10::ArrayRef<c10::ScalarType> dtypes = kFloatDtypes, bool contiguous = true) {
+    c10::ArrayRef<c10::ScalarType> dtypes = kFloatDtypes, bool dense = true) {
   std::optional<c10::ScalarType> list_dtype;
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
@@ -113,7 +159,9 @@ inline std::optional<c10::ScalarType> tensor_list(
     }
     TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, "[", i, "] is on ", t.device(),
                       ", expected ", device);
-    TORCH_CHECK_VALUE(!contiguous || t.is_contiguous(), op, ": ", name, "[", i, "] is not contiguous");
+    TORCH_CHECK_VALUE(!dense || is_dense(t), op, ": ", name, "[", i,
+                      "] is not contiguous and not dense (a strided view with gaps or overlaps, shape ",
+                      shape_string(t.sizes()), " strides ", shape_string(t.strides()), "); pass a contiguous tensor");
   }
   return list_dtype;
 }
