@@ -24,6 +24,7 @@ CUDA_TORCH = "torch==2.14.1"  # a CUDA 13 build that can compile extensions with
 BUILD_ARCH = "9.0"  # the H200 we prove kernels on
 TEST_TOOLS = ("pytest", "numpy")
 BUILD_TOOLS = ("setuptools>=69", "wheel", "ninja", "hatchling")
+EXPORT_TOOLS = ("onnx", "onnxscript", "onnxruntime")  # the ONNX export tests (tests session only)
 
 nox.options.sessions = ["lint", "tests", "isolated", "wheels"]
 nox.options.reuse_existing_virtualenvs = True
@@ -48,6 +49,7 @@ def pytest_args(session: nox.Session, paths: list[str]) -> list[str]:
 def tests(session: nox.Session) -> None:
     """Every package in one venv, CPU: the README's test command runs this among the defaults."""
     base_venv(session)
+    session.install(*EXPORT_TOOLS)
     install_packages(session, install_order())
     session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
     session.run(*pytest_args(session, [str(PACKAGES)]))

@@ -249,8 +249,8 @@ def test_weight_shape_and_input_dtype(device):
     x = torch.randn(4, 8, device=device)
     with pytest.raises(ValueError, match=r"weight has shape \(2, 4\), expected normalized_shape \(8,\)"):
         AF.fused_rms_norm_affine(x, torch.ones(2, 4, device=device), 8)
-    with pytest.raises(TypeError, match=r"input has dtype torch.float64; expected one of float32, float16, bfloat16"):
-        AF.fused_layer_norm(x.double(), 8)
+    with pytest.raises(TypeError, match=r"input has dtype torch.int32; expected one of float32, float16, bfloat16"):
+        AF.fused_layer_norm(x.to(torch.int32), 8)
 
 
 def test_output_dtype_and_residual_checks(device):

@@ -72,4 +72,7 @@ class _MixedDtype:
             warnings.warn(f"{cls_name} always has affine parameters; elementwise_affine is ignored", stacklevel=2)
             if not affine:
                 raise RuntimeError(f"{cls_name} does not support elementwise_affine=False")
-        super().__init__(normalized_shape, eps, True, memory_efficient, **kwargs)
+        # Other keyword arguments are ignored, as upstream ignores them (Megatron passes
+        # sequence_parallel_enabled, some callers misspelt); device and dtype are ours.
+        factory = {k: kwargs[k] for k in ("device", "dtype") if k in kwargs}
+        super().__init__(normalized_shape, eps, True, memory_efficient, **factory)

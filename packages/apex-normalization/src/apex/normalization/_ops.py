@@ -29,8 +29,13 @@ from apex.core.library import op
 from apex.normalization import _reference
 from apex.normalization._plugin import KERNELS
 
-FLOAT_DTYPES = checks.FLOAT_DTYPES
-_DTYPE_NAMES = "float32, float16, bfloat16"
+FLOAT_DTYPES = (*checks.FLOAT_DTYPES, torch.float64)  # float64 as upstream (its statistics float64 too)
+_DTYPE_NAMES = "float32, float16, bfloat16, float64"
+
+
+def stats_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """mean and rstd's dtype: float32, float64 for float64 input (upstream's)."""
+    return torch.float64 if input_dtype == torch.float64 else torch.float32
 
 
 # checks ----------------------------------------------------------------------------------------
@@ -129,9 +134,10 @@ def _check_backward(a) -> None:
         raise TypeError(f"{op}: saved has dtype {saved.dtype}; expected {expected_saved} ({what})")
     rows = math.prod(saved.shape[: saved.dim() - len(a.normalized_shape)])
     stats = [("rstd", a.rstd)] + ([] if a.rms or memory_efficient else [("mean", a.mean)])
+    expected_stats = stats_dtype(input_dtype)
     for name, t in stats:
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected float32")
+        if t.dtype != expected_stats:
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected {str(expected_stats)[6:]}")
         if t.numel() != rows:
             raise ValueError(f"{op}: {name} has {t.numel()} elements, expected one per row ({rows})")
         checks.dense(op, name, t, device)
@@ -156,8 +162,9 @@ def _empty_f32(like: torch.Tensor) -> torch.Tensor:
 def _forward_fake(a):
     input = a.input
     lead = input.shape[: input.dim() - len(a.normalized_shape)]
-    mean = _empty_f32(input) if a.rms else input.new_empty(lead, dtype=torch.float32)
-    return input.new_empty(input.shape, dtype=a.out_dtype), mean, input.new_empty(lead, dtype=torch.float32)
+    stats = stats_dtype(input.dtype)
+    mean = _empty_f32(input) if a.rms else input.new_empty(lead, dtype=stats)
+    return input.new_empty(input.shape, dtype=a.out_dtype), mean, input.new_empty(lead, dtype=stats)
 
 
 def _add_forward_fake(a):
@@ -188,7 +195,7 @@ def _stats(input, mean, rstd):
     fake=_forward_fake,
 )
 def norm_forward(a):
-    out, _, mean, rstd = _reference.norm_forward(
+    out, _, mean, rstd = _reference.fast_norm_forward(
         a.input, a.weight, a.bias, len(a.normalized_shape), a.eps, a.rms, a.out_dtype
     )
     return out.contiguous(), *_stats(a.input, mean, rstd)
@@ -203,7 +210,7 @@ def norm_forward(a):
     fake=_add_forward_fake,
 )
 def add_norm_forward(a):
-    out, total, mean, rstd = _reference.norm_forward(
+    out, total, mean, rstd = _reference.fast_norm_forward(
         a.input, a.weight, a.bias, len(a.normalized_shape), a.eps, a.rms, a.out_dtype, a.residual
     )
     return out.contiguous(), total.contiguous(), *_stats(a.input, mean, rstd)
@@ -218,7 +225,7 @@ def add_norm_forward(a):
     fake=_backward_fake,
 )
 def norm_backward(a):
-    grad_input, grad_weight, grad_bias = _reference.norm_backward(
+    grad_input, grad_weight, grad_bias = _reference.fast_norm_backward(
         a.grad_output,
         a.saved,
         a.weight,
@@ -254,30 +261,62 @@ def _setup_context(ctx, inputs, output):
     input nor the means."""
     with_residual = len(output) == 4
     if with_residual:
-        input, _, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
+        input, _, weight, bias, normalized_shape, eps, rms, memory_efficient, _ = inputs
         out, normalized, mean, rstd = output
     else:
-        input, weight, bias, normalized_shape, _, rms, memory_efficient, _ = inputs
+        input, weight, bias, normalized_shape, eps, rms, memory_efficient, _ = inputs
         out, mean, rstd = output
         normalized = input
+    save(ctx, normalized, out, weight, bias, mean, rstd, normalized_shape, eps, rms, memory_efficient, input.dtype)
+    ctx.with_residual = with_residual
+
+
+def save(ctx, normalized, out, weight, bias, mean, rstd, normalized_shape, eps, rms, memory_efficient, input_dtype):
+    """What :func:`backward` reads, saved on ``ctx`` (also by fused_layer_norm's Functions)."""
     ctx.mark_non_differentiable(mean, rstd)
     ctx.set_materialize_grads(False)
     if memory_efficient:
         ctx.save_for_backward(out, weight, bias, None, rstd)
     else:
         ctx.save_for_backward(normalized, weight, bias, mean if not rms else None, rstd)
-    ctx.config = (tuple(normalized_shape), rms, memory_efficient, input.dtype, with_residual)
+    ctx.config = (tuple(normalized_shape), eps, rms, memory_efficient, input_dtype)
+    ctx.with_residual = False
 
 
-def _backward(ctx, grad_output, *grads):
-    """One gradient per forward input: (input, [residual,] weight, bias, then None for the rest)."""
+def _double_backward_grads(ctx, grad_output, grad_residual_out, saved, weight, bias):
+    """The gradients as differentiable torch ops, for a backward that records a graph
+    (``create_graph=True``): the statistics are recomputed from the saved input so that their
+    dependence on it is differentiated too (the saved mean and rstd are constants to autograd)."""
+    normalized_shape, eps, rms, memory_efficient, input_dtype = ctx.config
+    if memory_efficient:
+        raise RuntimeError(
+            "apex_normalization.norm_forward: double backward (create_graph=True) is not supported with "
+            "memory_efficient=True (the input is not saved); use memory_efficient=False"
+        )
+    ndim = len(normalized_shape)
+    _, _, mean, rstd = _reference.norm_forward(saved, None, None, ndim, eps, rms, saved.dtype)
+    return _reference.norm_backward(
+        grad_output, saved, weight, bias, mean, rstd, ndim, rms, False, input_dtype, True, grad_residual_out
+    )
+
+
+def backward(ctx, grad_output, grad_residual_out=None):
+    """(grad_input, grad_weight, grad_bias), each None where not needed, of a forward saved by
+    :func:`save`; the weight is the forward's input 1 (2 with a residual) in ``needs_input_grad``."""
     saved, weight, bias, mean, rstd = ctx.saved_tensors
-    normalized_shape, rms, memory_efficient, input_dtype, with_residual = ctx.config
-    grad_residual_out = grads[0] if with_residual else None  # grads: of residual_out (if any), mean, rstd
+    normalized_shape, _, rms, memory_efficient, input_dtype = ctx.config
     needs = ctx.needs_input_grad
-    w = 2 if with_residual else 1  # the weight's input index
+    w = 2 if ctx.with_residual else 1
     if grad_output is None:  # only the residual sum was used
         grad_input, grad_weight, grad_bias = grad_residual_out, None, None
+    elif torch.is_grad_enabled():
+        grad_input, grad_weight, grad_bias = _double_backward_grads(
+            ctx, grad_output, grad_residual_out, saved, weight, bias
+        )
+        if weight is None or not needs[w]:
+            grad_weight = None
+        if bias is None or not needs[w + 1]:
+            grad_bias = None
     else:
         weight_grads = weight is not None and (needs[w] or (bias is not None and needs[w + 1]))
         grad_input, grad_weight, grad_bias = norm_backward(
@@ -298,6 +337,15 @@ def _backward(ctx, grad_output, *grads):
             grad_weight = grad_bias = None
         elif bias is None:
             grad_bias = None
+    return grad_input, grad_weight, grad_bias
+
+
+def _backward(ctx, grad_output, *grads):
+    """One gradient per forward input: (input, [residual,] weight, bias, then None for the rest)."""
+    with_residual = ctx.with_residual
+    grad_residual_out = grads[0] if with_residual else None  # grads: of residual_out (if any), mean, rstd
+    grad_input, grad_weight, grad_bias = backward(ctx, grad_output, grad_residual_out)
+    needs = ctx.needs_input_grad
     rest = (None,) * 5
     if with_residual:
         return grad_input if needs[0] else None, grad_input if needs[1] else None, grad_weight, grad_bias, *rest

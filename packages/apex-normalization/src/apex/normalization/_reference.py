@@ -133,3 +133,175 @@ def norm_backward(
         if bias is not None:
             grad_bias = _sum_rows(dy, ndim).to(bias.dtype)
     return grad_input.to(input_dtype), grad_weight, grad_bias
+
+
+# The CPU path ----------------------------------------------------------------------------------
+# The functions above are the specification (and what double backward and ONNX export trace, as
+# they are plain differentiable torch ops). The ops' reference kernels call the two below, which
+# give the same results through PyTorch's fused CPU kernels where one exists (native_layer_norm,
+# its backward, _fused_rms_norm): the spec's chain of elementwise passes was 5-7x slower than
+# torch.nn.LayerNorm at 65536x512. Statistics come back as the spec's (float32, float64 for
+# float64 input), the rounding is the spec's (one rounding of the output).
+
+_FUSED_RMS = hasattr(torch, "_fused_rms_norm")
+
+
+def fast_norm_forward(x, weight, bias, ndim, eps, rms, output_dtype, residual=None):
+    """:func:`norm_forward` through ``torch.native_layer_norm`` / ``torch._fused_rms_norm``."""
+    if (rms and not _FUSED_RMS) or _tiny(x, ndim):
+        return norm_forward(x, weight, bias, ndim, eps, rms, output_dtype, residual)
+    residual_out = None
+    if residual is not None:
+        residual_out = x + residual  # computed in float32 and rounded once, as the spec's sum
+        x = residual_out
+    xin = x if output_dtype == x.dtype else x.to(output_dtype)  # mixed: the output in the weight's dtype
+    shape = list(x.shape[x.dim() - ndim :])
+    lead = x.shape[: x.dim() - ndim]
+    weight, bias = _params_for(xin, weight, bias, shape, fill=not rms)
+    if rms:
+        y, rstd = torch._fused_rms_norm(xin, shape, weight, eps)
+        return y, residual_out, None, rstd.reshape(lead)
+    y, mean, rstd = torch.native_layer_norm(xin, shape, weight, bias, eps)
+    return y, residual_out, mean.reshape(lead), rstd.reshape(lead)
+
+
+def fast_norm_backward(
+    grad_output,
+    saved,
+    weight,
+    bias,
+    mean,
+    rstd,
+    ndim,
+    rms,
+    memory_efficient,
+    input_dtype,
+    weight_grads=True,
+    grad_residual_out=None,
+):
+    """:func:`norm_backward`; layer norm through ``native_layer_norm_backward``. With
+    ``memory_efficient`` it is given the recomputed ``xhat`` as the input with mean 0 and rstd 1,
+    and its input gradient is scaled by rstd afterwards."""
+    if _tiny(saved, ndim):
+        return norm_backward(
+            grad_output, saved, weight, bias, mean, rstd, ndim, rms, memory_efficient, input_dtype, weight_grads,
+            grad_residual_out,
+        )
+    cdt = compute_dtype(input_dtype)
+    row_shape = _row_shape(saved.shape, ndim)
+    shape = list(saved.shape[saved.dim() - ndim :])
+    with_weight = weight_grads and weight is not None
+    if memory_efficient:
+        xhat = saved.to(cdt)
+        if bias is not None:
+            xhat = xhat - bias
+        if weight is not None:
+            xhat = xhat / weight
+        x, stat_mean, stat_rstd = xhat, None, torch.ones(row_shape, dtype=cdt, device=saved.device)
+    else:
+        x, stat_rstd = saved, rstd.reshape(row_shape)
+        stat_mean = None if rms else mean.reshape(row_shape)
+        if rms and saved.dtype != cdt:
+            x = saved.to(cdt)
+    dy = grad_output  # a float16/bfloat16 x (layer norm) is converted with dy chunk by chunk
+    if dy.dtype != x.dtype and x.dtype in (torch.float32, torch.float64):
+        dy = dy.to(x.dtype)
+    weight_dtype = None if weight is None else weight.dtype
+    bias_dtype = None if bias is None else bias.dtype
+    weight, bias = _params_for(x, weight, bias, shape)
+    if rms:
+        grad_input, grad_weight = _rms_backward(dy, x, stat_rstd, weight, ndim, with_weight)
+        grad_bias = None
+    else:
+        if stat_mean is None:
+            stat_mean = torch.zeros_like(stat_rstd)
+        mask = [True, with_weight, with_weight and bias is not None]
+        grad_input, grad_weight, grad_bias = _layer_norm_backward(dy, x, shape, stat_mean, stat_rstd, weight, bias, mask)
+    if memory_efficient or grad_residual_out is not None or grad_input.dtype != input_dtype:
+        grad_input = grad_input.to(cdt)
+        if memory_efficient:
+            grad_input = grad_input * rstd.to(cdt).reshape(row_shape)
+        if grad_residual_out is not None:
+            grad_input = grad_input + grad_residual_out
+        grad_input = grad_input.to(input_dtype)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight_dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias_dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+_CHUNK_ELEMENTS = 1 << 18  # float32 elements converted at a time: about 1 MiB, cache-resident
+
+
+def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
+    """``native_layer_norm_backward``. For weight gradients of float16/bfloat16 rows (or a float32
+    grad_output with them), the rows are converted to float32 a chunk at a time first: PyTorch's
+    reduced-precision CPU kernel sums the weight gradient inexactly, and converting the whole
+    tensors first would cost two more passes over memory."""
+    direct = x.dtype in (torch.float32, torch.float64) or (dy.dtype == x.dtype and not (mask[1] or mask[2]))
+    if direct:
+        return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
+    ndim = len(shape)
+    hidden = math.prod(shape)
+    x2, dy2 = x.reshape(-1, hidden), dy.reshape(-1, hidden)
+    mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)
+    grad_input = torch.empty_like(x2)
+    grad_weight = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[1] else None
+    grad_bias = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[2] else None
+    step = max(1, _CHUNK_ELEMENTS // hidden)
+    stat_shape = [1] * ndim
+    for start in range(0, x2.shape[0], step):
+        rows = slice(start, start + step)
+        gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            dy2[rows].float().view(-1, *shape),
+            x2[rows].float().view(-1, *shape),
+            shape,
+            mean2[rows].reshape(-1, *stat_shape),
+            rstd2[rows].reshape(-1, *stat_shape),
+            weight,
+            bias,
+            mask,
+        )
+        grad_input[rows] = gi.view(-1, hidden)
+        if gw is not None:
+            grad_weight += gw
+        if gb is not None:
+            grad_bias += gb
+    return grad_input.view(x.shape), grad_weight, grad_bias
+
+
+def _tiny(x, ndim) -> bool:
+    """Rows too short to matter for speed: the spec then (PyTorch's mean of one element is off by
+    an ulp, which rstd = 1/sqrt(eps) magnifies)."""
+    return math.prod(x.shape[x.dim() - ndim :]) < 32
+
+
+def _params_for(x, weight, bias, shape, fill=True):
+    """The parameters as PyTorch's kernels take them with ``x``: in x's dtype, or float32 for
+    float16/bfloat16 x, whose statistics PyTorch then keeps in float32 as the spec does (float32
+    ones stand in for a missing layer norm weight there). The spec computes with float32 parameters anyway."""
+    target = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    if weight is None:
+        return (x.new_ones(shape, dtype=target) if fill and target != x.dtype else None), bias
+    if weight.dtype != target:
+        weight = weight.to(target)
+        bias = None if bias is None else bias.to(target)
+    return weight, bias
+
+
+def _rms_backward(dy, x, rstd, weight, ndim, with_weight):
+    """RMS norm's backward (PyTorch has no CPU kernel for it) in few passes: ``dx = rstd * (wdy -
+    xhat * mean(wdy * xhat))`` with ``xhat * mean(wdy * xhat) = x * rstd^2 * mean(wdy * x)``."""
+    cdt = compute_dtype(x.dtype)
+    dims = tuple(range(-ndim, 0))
+    xf = x.to(cdt)
+    dyf = dy.to(cdt)
+    wdy = dyf if weight is None else dyf * weight.to(cdt)
+    hidden = math.prod(x.shape[x.dim() - ndim :])
+    rstd = rstd.to(cdt)
+    coef = (wdy * xf).sum(dims, keepdim=True).mul_(rstd * rstd / hidden)
+    # wdy is grad_output itself when there is no weight and no cast: not updated in place then
+    grad_input = (wdy.sub_(xf * coef) if weight is not None else wdy - xf * coef).mul_(rstd)
+    grad_weight = _sum_rows(dyf * xf * rstd, ndim) if with_weight else None
+    return grad_input.to(x.dtype), grad_weight

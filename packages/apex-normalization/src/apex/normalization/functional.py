@@ -25,7 +25,7 @@ import numbers
 
 import torch
 
-from apex.normalization import _ops
+from apex.normalization import _ops, _reference
 
 
 def normalized_shape_tuple(normalized_shape) -> tuple:
@@ -40,7 +40,8 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
     device_type = "cuda" if input.is_cuda else input.device.type  # input.device builds a torch.device per call
     # is_autocast_available is not traceable by dynamo (torch 2.11); a compiled graph only runs on
     # devices that have autocast anyway.
-    available = torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type)
+    compiling = torch.compiler.is_compiling()
+    available = compiling or torch.amp.is_autocast_available(device_type)
     if available and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         input, residual, weight, bias = (
@@ -58,6 +59,13 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
     if bias is not None:
         bias = bias.contiguous()
     shape = normalized_shape_tuple(normalized_shape)
+    if compiling and torch.onnx.is_in_onnx_export():
+        # ONNX has no function for our ops: the exporter gets the reference's torch ops instead
+        # (upstream's modules fall back to torch's norms when traced, too).
+        out, residual_out, _, _ = _reference.norm_forward(
+            input, weight, bias, len(shape), eps, rms, output_dtype or input.dtype, residual
+        )
+        return out if residual is None else (out, residual_out)
     if residual is None:
         return _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
     outputs = _ops.add_norm_forward(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)

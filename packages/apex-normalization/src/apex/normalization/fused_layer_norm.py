@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from apex.normalization import _ops
 from apex.normalization._module import _FusedNorm, _MixedDtype
 from apex.normalization.functional import (
     fused_add_layer_norm,
@@ -14,6 +17,7 @@ from apex.normalization.functional import (
     fused_rms_norm_affine,
     mixed_dtype_fused_layer_norm_affine,
     mixed_dtype_fused_rms_norm_affine,
+    normalized_shape_tuple,
 )
 
 
@@ -56,11 +60,102 @@ class MixedFusedLayerNorm(_MixedDtype, FusedLayerNorm):
     or bfloat16 input give a float32 output. Always affine (``elementwise_affine=False`` is refused)."""
 
 
+# Upstream's autograd Functions, with its names and argument orders (Megatron-Core calls
+# FusedLayerNormAffineFunction.apply and looks for ``memory_efficient`` in forward's signature).
+# They call the same ops as the functions above and save what the ops' registered autograd saves;
+# their backward is differentiable (double backward) as the ops' is. Unlike the functions, they do
+# not cast under autocast (upstream's do not either).
+
+
+def _function_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, rms, mixed):
+    shape = normalized_shape_tuple(normalized_shape)
+    input = input.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    output_dtype = weight.dtype if mixed else None
+    out, mean, rstd = _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
+    _ops.save(ctx, input, out, weight, bias, mean, rstd, shape, eps, rms, memory_efficient, input.dtype)
+    return out
+
+
+class FusedLayerNormAffineFunction(torch.autograd.Function):
+    """Layer norm with weight and bias: ``apply(input, weight, bias, normalized_shape, eps,
+    memory_efficient=False)``; the output in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, False, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight, grad_bias = _ops.backward(ctx, grad_output)
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+class FusedLayerNormAffineMixedDtypesFunction(FusedLayerNormAffineFunction):
+    """:class:`FusedLayerNormAffineFunction` with the output in the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, bias, normalized_shape, eps, memory_efficient, False, True)
+
+
+class FusedLayerNormFunction(torch.autograd.Function):
+    """Layer norm without affine parameters: ``apply(input, normalized_shape, eps, memory_efficient=False)``."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, None, None, normalized_shape, eps, memory_efficient, False, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _ops.backward(ctx, grad_output)[0], None, None, None
+
+
+class FusedRMSNormAffineFunction(torch.autograd.Function):
+    """RMS norm with a weight: ``apply(input, weight, normalized_shape, eps, memory_efficient=False)``."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, None, normalized_shape, eps, memory_efficient, True, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight, _ = _ops.backward(ctx, grad_output)
+        return grad_input, grad_weight, None, None, None
+
+
+class FusedRMSNormAffineMixedDtypesFunction(FusedRMSNormAffineFunction):
+    """:class:`FusedRMSNormAffineFunction` with the output in the weight's dtype."""
+
+    @staticmethod
+    def forward(ctx, input, weight, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, weight, None, normalized_shape, eps, memory_efficient, True, True)
+
+
+class FusedRMSNormFunction(torch.autograd.Function):
+    """RMS norm without a weight: ``apply(input, normalized_shape, eps, memory_efficient=False)``."""
+
+    @staticmethod
+    def forward(ctx, input, normalized_shape, eps, memory_efficient=False):
+        return _function_forward(ctx, input, None, None, normalized_shape, eps, memory_efficient, True, False)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return _ops.backward(ctx, grad_output)[0], None, None, None
+
+
 from apex.normalization.fused_rms_norm import FusedRMSNorm, MixedFusedRMSNorm  # noqa: E402
 
 __all__ = [
     "FusedLayerNorm",
+    "FusedLayerNormAffineFunction",
+    "FusedLayerNormAffineMixedDtypesFunction",
+    "FusedLayerNormFunction",
     "FusedRMSNorm",
+    "FusedRMSNormAffineFunction",
+    "FusedRMSNormAffineMixedDtypesFunction",
+    "FusedRMSNormFunction",
     "MixedFusedLayerNorm",
     "MixedFusedRMSNorm",
     "fused_add_layer_norm",

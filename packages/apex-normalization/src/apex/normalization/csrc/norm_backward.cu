@@ -30,6 +30,7 @@
 #include <type_traits>
 
 #include "norm_backward.cuh"
+#include "norm_float64.h"
 
 namespace apex_normalization {
 namespace {
@@ -621,10 +622,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
                    memory_efficient ? " (the output, like grad_output)" : " (the input, input_dtype)");
   const int64_t rows = saved.numel() / hidden;
   const bool uses_mean = !(rms || memory_efficient);
+  const auto stats_dtype = input_dtype == at::kDouble ? at::kDouble : at::kFloat;  // upstream's
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"rstd", &rstd}, {"mean", &mean}}) {
     if (t == &mean && !uses_mean) continue;
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": ", name, " has dtype ", checks::torch_dtype(t->scalar_type()),
-                     "; expected float32");
+    TORCH_CHECK_TYPE(t->scalar_type() == stats_dtype, op, ": ", name, " has dtype ",
+                     checks::torch_dtype(t->scalar_type()), "; expected ", apex::checks::dtype_name(stats_dtype));
     TORCH_CHECK_VALUE(t->numel() == rows, op, ": ", name, " has ", t->numel(), " elements, expected one per row (",
                       rows, ")");
     checks::dense(op, name, *t, device);
@@ -637,6 +639,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
                       apex::checks::shape_string(grad_res->sizes()), " but saved has ",
                       apex::checks::shape_string(saved.sizes()));
     checks::dense(op, "grad_residual_out", *grad_res, device);
+  }
+
+  if (input_dtype == at::kDouble) {
+    return backward_float64(grad_output, saved, w, b, mean, rstd, shape, rms, memory_efficient, weight_grads, grad_res);
   }
 
   const c10::cuda::CUDAGuard device_guard(device);

@@ -91,8 +91,9 @@ inline void affine(const char* op, c10::ScalarType input_dtype, c10::Device devi
 }
 
 inline void float_dtype(const char* op, const char* what, c10::ScalarType dtype) {
-  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, dtype), op, ": ", what, " ",
-                   torch_dtype(dtype), "; expected one of float32, float16, bfloat16");
+  // float64 as upstream: computed by norm_float64.cpp, not by the kernels
+  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, dtype) || dtype == c10::kDouble, op, ": ",
+                   what, " ", torch_dtype(dtype), "; expected one of float32, float16, bfloat16, float64");
 }
 
 }  // namespace checks

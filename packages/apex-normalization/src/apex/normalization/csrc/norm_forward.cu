@@ -24,6 +24,7 @@
 #include <tuple>
 
 #include "norm_common.cuh"
+#include "norm_float64.h"
 
 namespace apex_normalization {
 namespace {
@@ -555,6 +556,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
                      " is neither the input's dtype (", checks::torch_dtype(input_dtype), ") nor the weight's",
                      weight_part);
   }
+
+  if (input_dtype == at::kDouble) return forward_float64(input, res, w, optional_tensor(bias), shape, eps, rms, out_dtype);
 
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto lead = input.sizes().slice(0, input.dim() - static_cast<int64_t>(shape.size()));

@@ -1,0 +1,106 @@
+"""apex-normalization's CPU path (the PyTorch references) against PyTorch's own CPU ops, in one run.
+
+For each norm (layer norm with weight and bias, layer norm without, RMS norm with a weight, RMS
+norm without), dtype and shape (rows x normalized shape), ours (``apex.normalization.functional``)
+and PyTorch's (``F.layer_norm`` / ``F.rms_norm``) are timed on the same data, forward alone and
+forward plus backward (``torch.autograd.grad`` of the input and parameters). Samples of the two
+alternate, so that load from other processes falls on both; the median is reported. The bar:
+ours at most 1.2x PyTorch's time, per row.
+
+    python packages/apex-normalization/benchmarks/bench_norms_cpu.py [--samples N] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from apex.core.benchmarking import markdown_table
+from apex.normalization import functional as AF
+
+SHAPES = [(65536, (512,)), (8192, (4096,)), (16384, (1024,)), (2048, (16, 64))]
+QUICK_SHAPES = [(65536, (512,)), (2048, (16, 64))]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+BAR = 1.2
+EPS = 1e-5
+
+NORMS = {
+    "layer+affine": (
+        lambda x, w, b, s: AF.fused_layer_norm_affine(x, w, b, s, EPS),
+        lambda x, w, b, s: F.layer_norm(x, s, w, b, EPS),
+        True,
+        True,
+    ),
+    "layer": (lambda x, w, b, s: AF.fused_layer_norm(x, s, EPS), lambda x, w, b, s: F.layer_norm(x, s, eps=EPS), False, False),
+    "rms+weight": (
+        lambda x, w, b, s: AF.fused_rms_norm_affine(x, w, s, EPS),
+        lambda x, w, b, s: F.rms_norm(x, s, w, EPS),
+        True,
+        False,
+    ),
+    "rms": (lambda x, w, b, s: AF.fused_rms_norm(x, s, EPS), lambda x, w, b, s: F.rms_norm(x, s, eps=EPS), False, False),
+}
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def compare(ours, theirs, samples: int) -> tuple[float, float]:
+    for _ in range(2):  # warm-up
+        ours(), theirs()
+    a, b = [], []
+    for _ in range(samples):
+        a.append(timed(ours))
+        b.append(timed(theirs))
+    return statistics.median(a), statistics.median(b)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="two shapes")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    rows_out, verdicts = [], []
+    for rows, shape in QUICK_SHAPES if args.quick else SHAPES:
+        for dname, dtype in DTYPES.items():
+            x = torch.randn(rows, *shape).to(dtype).requires_grad_()
+            w = (torch.rand(shape) + 0.5).to(dtype).requires_grad_()
+            b = torch.randn(shape).to(dtype).requires_grad_()
+            dy = torch.randn_like(x)
+            for norm, (ours, theirs, with_w, with_b) in NORMS.items():
+                leaves = [x] + ([w] if with_w else []) + ([b] if with_b else [])
+
+                def forward(fn):
+                    return lambda: fn(x, w, b, shape)
+
+                def both(fn):
+                    return lambda: torch.autograd.grad(fn(x, w, b, shape), leaves, dy)
+
+                for what, wrap in (("forward", forward), ("forward+backward", both)):
+                    ours_ms, torch_ms = compare(wrap(ours), wrap(theirs), args.samples)
+                    ratio = ours_ms / torch_ms
+                    name = f"{norm} {dname} {rows}x{'x'.join(map(str, shape))} {what}"
+                    rows_out.append([name, f"{ours_ms:.2f}", f"{torch_ms:.2f}", f"{ratio:.2f}"])
+                    verdicts.append(f"{'PASS' if ratio <= BAR else 'FAIL'}: {name} (ours/torch {ratio:.2f}, bar {BAR})")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print("# bench_norms_cpu\n")
+    print(f"- torch {torch.__version__}, {torch.get_num_threads()} threads; {now:%Y-%m-%d %H:%M} UTC")
+    print(f"- command: `python {' '.join(sys.argv)}`\n")
+    print("\n".join(markdown_table(["case", "ours ms", "torch ms", "ours/torch"], rows_out)))
+    print()
+    print("\n".join(verdicts))
+    return 0 if all(v.startswith("PASS") for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
