@@ -206,11 +206,54 @@ def _assert_raises_and_writes_nothing(name, args, error, pattern):
             assert torch.equal(p, p0), "a refused call must not write the parameters"
 
 
-@pytest.mark.parametrize("name", OPS)
+TAKES_FLOAT64 = {"fused_adam", "fused_adagrad"}  # as upstream's kernels
+
+
+@pytest.mark.parametrize("name", [n for n in OPS if n not in TAKES_FLOAT64])
 def test_float64_params_are_refused(device, name):
     args = inputs(name, device)
     args["params"] = [p.double() for p in args["params"]]
     _assert_raises_and_writes_nothing(name, args, TypeError, r"params\[0\] has dtype torch.float64")
+
+
+@pytest.mark.parametrize("name", sorted(TAKES_FLOAT64))
+def test_float64_params_take_float64_grads_and_no_masters(device, name):
+    args = inputs(name, device, dtype=torch.float64)
+    op(name)(**args)  # accepted
+    args["grads"] = [g.float() for g in args["grads"]]
+    _assert_raises_and_writes_nothing(name, args, TypeError, r"float64 params need float64 grads")
+    args = inputs(name, device, dtype=torch.float64, masters=True)
+    _assert_raises_and_writes_nothing(name, args, ValueError, r"float64 params take no master_params")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_dense_non_contiguous_layouts_are_accepted(device, name):
+    """channels-last tensors in every list (same shape and strides at each index) give the
+    contiguous call's results."""
+    contiguous = inputs(name, device, extras=True)
+    shape = (2, 5, 3, 13)  # 390 elements, channels-last is not contiguous
+    for value in contiguous.values():
+        if isinstance(value, list) and value and value[1].numel() == 130:
+            value[1] = torch.cat([value[1]] * 3).reshape(shape)
+    if name == "fused_novograd":
+        contiguous["grad_norms"] = torch.stack([g.float().norm() for g in contiguous["grads"]])
+    last = {
+        k: [t.clone(memory_format=torch.channels_last) if t.dim() == 4 else t.clone() for t in v]
+        if isinstance(v, list)
+        else v.clone()
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in contiguous.items()
+    }
+    assert not last["params"][1].is_contiguous()
+    op(name)(**contiguous)
+    op(name)(**last)
+    # element-wise ops agree bitwise; LAMB's per-tensor norms sum in another order
+    tol = dict(rtol=1e-6, atol=1e-7) if name == "fused_lamb" else dict(rtol=0, atol=0)
+    for key, value in contiguous.items():
+        if isinstance(value, list):
+            for a, b in zip(value, last[key]):
+                torch.testing.assert_close(a, b, **tol)
 
 
 @pytest.mark.parametrize("name", OPS)
@@ -323,3 +366,10 @@ def test_tensors_on_the_wrong_device_are_named(name):
     args = inputs(name, "cuda", extras=True)
     args["lr_tensor"] = args["lr_tensor"].cpu()
     _assert_raises_and_writes_nothing(name, args, ValueError, r"lr_tensor is on cpu, expected cuda:0")
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_strided_views_are_refused(device, name):
+    args = inputs(name, device)
+    args["params"][0] = torch.randn(3, 2, device=device)[:, 0]  # 3 elements two apart: not dense
+    _assert_raises_and_writes_nothing(name, args, ValueError, r"params\[0\] is not contiguous and not dense")

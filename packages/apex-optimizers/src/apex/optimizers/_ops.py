@@ -1,8 +1,12 @@
 """apex-optimizers' dispatcher ops (namespace ``apex_optimizers``): schemas, checks, references.
 
 Conventions shared by every op:
-- one tensor list per role; ``params``/``grads`` of one dtype each (fp32, fp16 or bf16), all
-  optimizer state (moments, sums, momentum buffers, master weights) in fp32;
+- one tensor list per role; ``params``/``grads`` of one dtype each (fp32, fp16 or bf16; Adam and
+  Adagrad also float64, as upstream's kernels), all optimizer state (moments, sums, momentum
+  buffers, master weights) in fp32;
+- tensors contiguous, or dense (channels-last, any permutation) with the same shape and strides
+  at one index of every list: the kernels run over the storage element by element;
+- ``maximize`` (Adam, SGD, Adagrad, as torch's): the gradient is negated as it is read;
 - ``master_params`` empty, or fp32 copies of ``params``: the update is computed on them and the
   rounded result is written to ``params`` in the same pass;
 - ``lr``/``step`` are host numbers unless ``lr_tensor``/``step_tensor`` (fp32, one element, on the
@@ -24,6 +28,7 @@ from apex.core.library import op
 from apex.optimizers._plugin import KERNELS
 
 FP32 = (torch.float32,)
+WITH_FLOAT64 = (*checks.FLOAT_DTYPES, torch.float64)
 # The optional one-element fp32 tensors, in the order they are checked; an op takes those of its schema.
 OPTIONAL_SCALARS = ("lr_tensor", "step_tensor", "grad_scale", "found_inf")
 
@@ -31,13 +36,13 @@ OPTIONAL_SCALARS = ("lr_tensor", "step_tensor", "grad_scale", "found_inf")
 # shared checks and helpers ----------------------------------------------------------------
 
 
-def _check_lists(a, *states: str) -> None:
-    """params, grads, the fp32 state lists named ``states`` (one tensor per parameter),
-    master_params and the optional scalars, as every op takes them; sets ``a.device``."""
+def _check_lists(a, *states: str, dtypes=checks.FLOAT_DTYPES) -> None:
+    """params, grads (of ``dtypes``), the fp32 state lists named ``states`` (one tensor per
+    parameter), master_params and the optional scalars, as every op takes them; sets ``a.device``."""
     per_param = {"grads": a.grads, **{name: getattr(a, name) for name in states}}
     checks.same_lengths(a.op, params=a.params, **per_param)
-    a.device = checks.tensor_list(a.op, "params", a.params, None)
-    checks.tensor_list(a.op, "grads", a.grads, a.device)
+    a.device = checks.tensor_list(a.op, "params", a.params, None, dtypes=dtypes)
+    checks.tensor_list(a.op, "grads", a.grads, a.device, dtypes=dtypes)
     for name in states:
         checks.tensor_list(a.op, name, per_param[name], a.device, dtypes=FP32)
     if a.master_params:
@@ -47,10 +52,19 @@ def _check_lists(a, *states: str) -> None:
         for i, (p, t) in enumerate(zip(a.params, tensors)):
             if t.numel() != p.numel():
                 raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}")
+    checks.same_layouts(a.op, params=a.params, **per_param, master_params=a.master_params)
     for name in OPTIONAL_SCALARS:
         t = getattr(a, name, None)
         if t is not None:
             checks.scalar_tensor(a.op, name, t, FP32, a.device)
+    if a.params and torch.float64 in (a.params[0].dtype, a.grads[0].dtype):
+        if a.params[0].dtype != a.grads[0].dtype:
+            raise TypeError(
+                f"{a.op}: params have dtype {a.params[0].dtype} but grads have {a.grads[0].dtype}; "
+                "float64 params need float64 grads"
+            )
+        if a.master_params:
+            raise ValueError(f"{a.op}: float64 params take no master_params")
 
 
 def _lr(a):
@@ -71,7 +85,8 @@ def _skip(a):
 
 
 def _tensors(a):
-    """Per parameter: its index, its fp32 value (the master copy's, if any), its unscaled fp32 gradient."""
+    """Per parameter: its index, its fp32 value (the master copy's, if any), its unscaled fp32
+    gradient (not negated for ``maximize``: each op does that)."""
     for i, param in enumerate(a.params):
         p = (a.master_params[i] if a.master_params else param).float()
         g = a.grads[i].float()
@@ -100,24 +115,30 @@ def _write_params(a, i, new, skip):
 
 def _check_adam(a) -> None:
     checks.positive_chunk_size(a.op, a.chunk_size)
-    _check_lists(a, "exp_avgs", "exp_avg_sqs")
+    _check_lists(a, "exp_avgs", "exp_avg_sqs", dtypes=WITH_FLOAT64)
     if a.step_tensor is None and a.step < 1 and a.bias_correction:
         raise ValueError(f"{a.op}: step must be >= 1 with bias_correction, got {a.step}")
 
 
 @op(
     KERNELS,
-    "fused_adam(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "fused_adam(int chunk_size, Tensor(a!)[] params, Tensor(e!)[] grads, Tensor(b!)[] exp_avgs, "
     "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] master_params, float lr, int step, float beta1, float beta2, "
     "float eps, float weight_decay, bool adam_w_mode, bool bias_correction, Tensor? lr_tensor=None, "
-    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+    "Tensor? step_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, bool maximize=False) -> ()",
     check=_check_adam,
 )
 def fused_adam(a):
+    """With ``grad_scale`` the unscaled gradients are also written back to ``grads`` (as torch's
+    GradScaler leaves them for non-fused optimizers), unless the step is skipped."""
     lr = _lr(a)
     bc1, bc2 = _bias_corrections(a)
     skip = _skip(a)
     for i, p, g in _tensors(a):
+        if a.grad_scale is not None:
+            _commit(a.grads[i], g, skip)
+        if a.maximize:
+            g = -g
         if a.weight_decay != 0:
             if a.adam_w_mode:
                 p = p * (1 - lr * a.weight_decay)
@@ -150,13 +171,15 @@ def _check_sgd(a) -> None:
     "fused_sgd(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
     "Tensor(c!)[] master_params, float lr, float weight_decay, float momentum, float dampening, bool nesterov, "
     "bool first_run, bool wd_after_momentum, Tensor? lr_tensor=None, Tensor? grad_scale=None, "
-    "Tensor? found_inf=None) -> ()",
+    "Tensor? found_inf=None, bool maximize=False) -> ()",
     check=_check_sgd,
 )
 def fused_sgd(a):
     lr = _lr(a)
     skip = _skip(a)
     for i, p, g in _tensors(a):
+        if a.maximize:
+            g = -g
         if a.weight_decay != 0 and not a.wd_after_momentum:
             g = g + a.weight_decay * p
         if a.momentum != 0:
@@ -173,20 +196,22 @@ def fused_sgd(a):
 
 def _check_adagrad(a) -> None:
     checks.positive_chunk_size(a.op, a.chunk_size)
-    _check_lists(a, "state_sums")
+    _check_lists(a, "state_sums", dtypes=WITH_FLOAT64)
 
 
 @op(
     KERNELS,
     "fused_adagrad(int chunk_size, Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] state_sums, "
     "Tensor(c!)[] master_params, float lr, float eps, float weight_decay, bool adagrad_w_mode, "
-    "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+    "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, bool maximize=False) -> ()",
     check=_check_adagrad,
 )
 def fused_adagrad(a):
     lr = _lr(a)
     skip = _skip(a)
     for i, p, g in _tensors(a):
+        if a.maximize:
+            g = -g
         if a.weight_decay != 0 and not a.adagrad_w_mode:
             g = g + a.weight_decay * p
         h = a.state_sums[i] + g * g

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer
+from apex.optimizers._base import _WITH_FLOAT64, FusedOptimizer, check_hyperparameters
 
 
 class FusedAdagrad(FusedOptimizer):
@@ -18,22 +18,23 @@ class FusedAdagrad(FusedOptimizer):
     The accumulator :math:`h` is fp32 whatever the parameter dtype.
 
     Args:
-        params: parameters or parameter groups.
-        lr: learning rate.
+        params: parameters or parameter groups (float64 too, with the math in fp32 as upstream's).
+        lr: learning rate; None takes each group's own.
         eps: added to the denominator.
         weight_decay: weight decay :math:`\lambda`.
         set_grad_none: ``zero_grad()`` sets gradients to None by default.
         adagrad_w_mode: decoupled weight decay (applied to the update) instead of L2 on the gradient.
+        maximize: maximize the objective (step along the gradient), as torch's ``maximize``.
     """
 
-    def __init__(self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False):
-        if not hasattr(lr, "shape") and lr < 0.0:
-            raise ValueError(f"FusedAdagrad: invalid learning rate lr={lr}")
-        if eps < 0.0:
-            raise ValueError(f"FusedAdagrad: invalid eps={eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"FusedAdagrad: invalid weight_decay={weight_decay}")
-        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay)
+    param_dtypes = _WITH_FLOAT64
+    state_keys = ("sum",)
+
+    def __init__(
+        self, params, lr=1e-2, eps=1e-10, weight_decay=0.0, set_grad_none=True, adagrad_w_mode=False, *, maximize=False
+    ):
+        check_hyperparameters("FusedAdagrad", lr, eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         self.adagrad_w_mode = adagrad_w_mode
         super().__init__(params, defaults, set_grad_none)
 
@@ -50,4 +51,5 @@ class FusedAdagrad(FusedOptimizer):
                 b.lr_tensor,
                 b.grad_scale,
                 b.found_inf,
+                group.get("maximize", False),
             )

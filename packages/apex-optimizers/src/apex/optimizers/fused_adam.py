@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer
+from apex.optimizers._base import _WITH_FLOAT64, FusedOptimizer, check_hyperparameters
 
 
 class FusedAdam(FusedOptimizer):
@@ -23,8 +23,9 @@ class FusedAdam(FusedOptimizer):
     ``bias_correction=False``). Moments are fp32 whatever the parameter dtype.
 
     Args:
-        params: parameters or parameter groups (fp32, fp16 and bf16 may be mixed, on any devices).
-        lr: learning rate (a float, or a tensor read on the device).
+        params: parameters or parameter groups (fp32, fp16 and bf16 may be mixed, on any devices;
+            float64 too, with the math in fp32 as upstream's kernel does it).
+        lr: learning rate (a float, or a tensor read on the device); None takes each group's own.
         bias_correction: apply Adam's bias corrections.
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator.
@@ -36,7 +37,18 @@ class FusedAdam(FusedOptimizer):
             captured in a CUDA graph; a skipped (overflow) step is not counted.
         master_weights: keep fp32 master copies of fp16/bf16 parameters in the optimizer state,
             update them, and write the rounded result to the parameters in the same kernel.
+        maximize: maximize the objective (step along the gradient), as torch's ``maximize``.
+
+    As upstream's FusedAdam: ``group["step"]`` is the group's step count (written after each
+    step; a value written there, e.g. by Megatron's distributed optimizer when it loads a
+    checkpoint, becomes every parameter's step), ``param_groups_master`` the fp32 master copies,
+    ``_dummy_overflow_buf`` an int32 flag, and ``step(closure=None, grad_scaler=None)`` takes a
+    ``torch.amp.GradScaler``. After a GradScaler step the gradients hold their unscaled values
+    (written by the kernel), as torch's non-fused optimizers leave them.
     """
+
+    param_dtypes = _WITH_FLOAT64
+    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -51,20 +63,32 @@ class FusedAdam(FusedOptimizer):
         set_grad_none=True,
         capturable=False,
         master_weights=False,
+        *,
+        maximize=False,
     ):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant (amsgrad=True)")
-        if not isinstance(lr, torch.Tensor) and not 0.0 <= lr:
-            raise ValueError(f"FusedAdam: invalid learning rate lr={lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"FusedAdam: invalid eps={eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"FusedAdam: invalid betas={betas}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"FusedAdam: invalid weight_decay={weight_decay}")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        check_hyperparameters("FusedAdam", lr, eps=eps, betas=betas, weight_decay=weight_decay)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=bool(maximize),
+        )
         self.adam_w_mode = adam_w_mode
         super().__init__(params, defaults, set_grad_none, capturable, master_weights)
+        first = next((p for g in self.param_groups for p in g["params"]), None)
+        self._dummy_overflow_buf = torch.zeros(
+            1, dtype=torch.int32, device=first.device if first is not None else "cpu"
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scaler=None):
+        """One step; ``grad_scaler``: a ``torch.amp.GradScaler`` whose scale and inf check the
+        step applies (upstream's protocol), else what ``GradScaler.step`` set on the optimizer."""
+        return self._step(closure, grad_scaler)
 
     def _step_group(self, group, scaler):
         beta1, beta2 = group["betas"]
@@ -85,4 +109,5 @@ class FusedAdam(FusedOptimizer):
                 step_tensor,
                 b.grad_scale,
                 b.found_inf,
+                group.get("maximize", False),
             )

@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer, grads_of
+from apex.optimizers._base import FusedOptimizer, check_hyperparameters, grads_of
 
 
 class FusedLAMB(FusedOptimizer):
@@ -26,7 +26,7 @@ class FusedLAMB(FusedOptimizer):
 
     Args:
         params: parameters or parameter groups.
-        lr: learning rate.
+        lr: learning rate; None takes each group's own.
         bias_correction: apply Adam's bias corrections.
         betas: coefficients of the running averages.
         eps: added to the denominator.
@@ -38,6 +38,8 @@ class FusedLAMB(FusedOptimizer):
         max_grad_norm: global gradient-norm clipping threshold.
         use_nvlamb: apply the trust ratio also to parameters without weight decay.
     """
+
+    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -59,10 +61,7 @@ class FusedLAMB(FusedOptimizer):
     ):
         if amsgrad:
             raise RuntimeError(f"{type(self).__name__} does not support the AMSGrad variant (amsgrad=True)")
-        if not isinstance(lr, torch.Tensor) and lr < 0.0:
-            raise ValueError(f"{type(self).__name__}: invalid learning rate lr={lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{type(self).__name__}: invalid betas={betas}")
+        check_hyperparameters(type(self).__name__, lr, eps=eps, betas=betas, weight_decay=weight_decay)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,

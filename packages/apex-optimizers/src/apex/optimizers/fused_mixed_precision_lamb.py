@@ -38,6 +38,11 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         use_nvlamb=False,
         reduced_precision_dtype=None,
     ):
+        if reduced_precision_dtype not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"FusedMixedPrecisionLamb: invalid reduced_precision_dtype={reduced_precision_dtype}; "
+                "expected None, torch.float16 or torch.bfloat16"
+            )
         self.initial_step = int(step)
         super().__init__(
             params,

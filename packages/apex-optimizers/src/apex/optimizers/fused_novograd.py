@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer
+from apex.optimizers._base import FusedOptimizer, check_hyperparameters
 
 
 class FusedNovoGrad(FusedOptimizer):
@@ -22,7 +22,7 @@ class FusedNovoGrad(FusedOptimizer):
 
     Args:
         params: parameters or parameter groups.
-        lr: learning rate.
+        lr: learning rate; None takes each group's own.
         bias_correction: apply the bias corrections.
         betas: coefficients of the running averages.
         eps: added to the denominator.
@@ -36,6 +36,8 @@ class FusedNovoGrad(FusedOptimizer):
 
     Steps are counted on the host (a step that a GradScaler skips is still counted).
     """
+
+    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class FusedNovoGrad(FusedOptimizer):
     ):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant (amsgrad=True)")
+        check_hyperparameters("FusedNovoGrad", lr, eps=eps, betas=betas, weight_decay=weight_decay)
         if norm_type not in (0, 2):
             raise ValueError(f"FusedNovoGrad: norm_type must be 2 (L2) or 0 (infinity), got {norm_type}")
         defaults = dict(
@@ -94,6 +97,8 @@ class FusedNovoGrad(FusedOptimizer):
                 state.setdefault("exp_avg_sq", torch.zeros((), dtype=torch.float32, device=b.device))
             steps = [s["step"] for s in states]
             torch._foreach_add_(steps, 1.0)
+            step = int(steps[0].item())
+            self._stepped = max(step, self._stepped or 0)
             grads = b.grads
             second_moments = torch.stack([s["exp_avg_sq"] for s in states])
             _ops.fused_novograd(
@@ -105,7 +110,7 @@ class FusedNovoGrad(FusedOptimizer):
                 self._grad_norms(grads, group["norm_type"], b.grad_scale, b.device),
                 b.masters,
                 b.lr,
-                int(steps[0].item()),
+                step,
                 beta1,
                 beta2,
                 group["eps"],

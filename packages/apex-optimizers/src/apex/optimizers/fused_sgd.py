@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 
 from apex.optimizers import _ops
-from apex.optimizers._base import FusedOptimizer, grads_of
+from apex.optimizers._base import FusedOptimizer, check_hyperparameters, grads_of, required
 
 
 class FusedSGD(FusedOptimizer):
@@ -22,7 +22,8 @@ class FusedSGD(FusedOptimizer):
 
     Args:
         params: parameters or parameter groups.
-        lr: learning rate (required).
+        lr: learning rate: required, here or in every parameter group (``torch.optim.optimizer.required``
+            as upstream's default; a group's own lr wins).
         momentum: momentum factor :math:`\mu`.
         dampening: dampening :math:`\tau` of the momentum.
         weight_decay: L2 penalty :math:`\lambda`.
@@ -31,12 +32,13 @@ class FusedSGD(FusedOptimizer):
         materialize_master_grads: accepted for compatibility with upstream Apex's amp O2 path;
             master weights are kept by the optimizer here, so there are no separate master grads.
         set_grad_none: ``zero_grad()`` sets gradients to None by default.
+        maximize: maximize the objective (step along the gradient), as torch's ``maximize``.
     """
 
     def __init__(
         self,
         params,
-        lr,
+        lr=required,
         momentum=0.0,
         dampening=0.0,
         weight_decay=0.0,
@@ -44,16 +46,20 @@ class FusedSGD(FusedOptimizer):
         wd_after_momentum=False,
         materialize_master_grads=True,
         set_grad_none=False,
+        *,
+        maximize=False,
     ):
-        if lr is None or (not hasattr(lr, "shape") and lr < 0.0):
-            raise ValueError(f"FusedSGD: invalid learning rate lr={lr}")
-        if momentum < 0.0:
-            raise ValueError(f"FusedSGD: invalid momentum={momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"FusedSGD: invalid weight_decay={weight_decay}")
+        check_hyperparameters("FusedSGD", lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("FusedSGD: nesterov momentum requires a momentum and zero dampening")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=bool(maximize),
+        )
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
         super().__init__(params, defaults, set_grad_none)
@@ -67,7 +73,9 @@ class FusedSGD(FusedOptimizer):
             # (Zeros, not garbage, in case a GradScaler skips that first step on the device.)
             new = [p for p in params if momentum != 0 and "momentum_buffer" not in self.state[p]]
             for p in new:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                self.state[p]["momentum_buffer"] = torch.zeros_like(
+                    p, dtype=torch.float32, memory_format=torch.preserve_format
+                )
             new_ids = {id(p) for p in new}
             old = [p for p in params if id(p) not in new_ids]
             for first_run, subset in ((True, new), (False, old)):
@@ -90,4 +98,5 @@ class FusedSGD(FusedOptimizer):
                     lr_tensor,
                     grad_scale,
                     found_inf,
+                    group.get("maximize", False),
                 )

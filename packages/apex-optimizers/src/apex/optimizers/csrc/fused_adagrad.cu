@@ -26,6 +26,7 @@ struct AdagradArgs {
   float eps;
   float weight_decay;
   bool adagrad_w_mode;
+  bool maximize;
 };
 
 // Lists: 0 the parameter the update is computed on (fp32 master copy when kMaster, else the
@@ -40,7 +41,8 @@ struct AdagradFunctor {
   __device__ void operator()(const apex::Chunk<kDepth>& chunk) const {
     if (args.scalars.skip()) return;
     const float lr = args.scalars.lr(args.lr);
-    const float inv_grad_scale = args.scalars.inv_grad_scale();
+    // maximize: the gradient negated as it is read (the sign folded into the unscaling factor)
+    const float inv_grad_scale = args.maximize ? -args.scalars.inv_grad_scale() : args.scalars.inv_grad_scale();
     const float l2_decay = args.adagrad_w_mode ? 0.0f : args.weight_decay;
     const float decoupled_decay = args.adagrad_w_mode ? args.weight_decay : 0.0f;
     const float eps = args.eps;
@@ -77,13 +79,13 @@ struct AdagradFunctor {
 void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                         at::TensorList master_params, double lr, double eps, double weight_decay, bool adagrad_w_mode,
                         const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf) {
+                        const std::optional<at::Tensor>& found_inf, bool maximize) {
   namespace checks = apex::checks;
   checks::positive_chunk_size(kOp, chunk_size);
   checks::same_lengths(kOp, {{"params", params.size()}, {"grads", grads.size()}, {"state_sums", state_sums.size()}});
   const auto device = apex_optimizers::check_common(
       kOp, params, grads, {{"state_sums", state_sums}}, master_params,
-      {{"lr_tensor", lr_tensor}, {"grad_scale", grad_scale}, {"found_inf", found_inf}});
+      {{"lr_tensor", lr_tensor}, {"grad_scale", grad_scale}, {"found_inf", found_inf}}, apex_optimizers::kWithDouble);
   if (!device) return;
 
   AdagradArgs args{};
@@ -92,6 +94,7 @@ void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorLis
   args.eps = static_cast<float>(eps);
   args.weight_decay = static_cast<float>(weight_decay);
   args.adagrad_w_mode = adagrad_w_mode;
+  args.maximize = maximize;
 
   const c10::cuda::CUDAGuard device_guard(*device);
   apex_optimizers::launch_elementwise<AdagradFunctor>(kOp, chunk_size, params, grads, master_params, args,

@@ -3,7 +3,10 @@
 //
 // Per element it reads the current parameter (the master copy if given), the gradient and
 // both moments, and writes the moments and the parameter (and its low-precision copy): 28
-// bytes per fp32 parameter, the least Adam can move. The step-dependent scalars (step size,
+// bytes per fp32 parameter, the least Adam can move. With grad_scale it also writes the
+// unscaled gradient back (as torch's GradScaler leaves gradients): one more store of the
+// gradient's size (4 bytes per fp32 gradient, 2 per fp16/bf16). maximize negates the gradient
+// as it is read (no extra traffic). The step-dependent scalars (step size,
 // bias corrections, decay) are worked out once per block.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,6 +39,7 @@ struct AdamArgs {
   float weight_decay;
   bool adam_w_mode;
   bool bias_correction;
+  bool maximize;
 };
 
 // Lists: 0 the parameter the update is computed on (fp32 master copy when kMaster, else the
@@ -60,6 +64,8 @@ struct AdamFunctor {
     const float step_size = __fdiv_rn(lr, bias_correction1);
     const float inv_sqrt_bias_correction2 = __frcp_rn(sqrt_bias_correction2);
     const float inv_grad_scale = args.scalars.inv_grad_scale();
+    const bool write_grads = args.scalars.grad_scale != nullptr;
+    const bool maximize = args.maximize;
     const float decoupled_decay = args.adam_w_mode ? lr * args.weight_decay : 0.0f;
     const float l2_decay = args.adam_w_mode ? 0.0f : args.weight_decay;
     const float beta1 = args.beta1;
@@ -69,7 +75,7 @@ struct AdamFunctor {
     const float eps = args.eps;
 
     Current* current = chunk.template data<Current>(0);
-    const Grad* grad = chunk.template data<Grad>(1);
+    Grad* grad = chunk.template data<Grad>(1);
     float* exp_avg = chunk.template data<float>(2);
     float* exp_avg_sq = chunk.template data<float>(3);
     Param* params = kMaster ? chunk.template data<Param>(4) : nullptr;
@@ -82,7 +88,9 @@ struct AdamFunctor {
       group.load(v, exp_avg_sq);
       group.for_each_value([&](int i, int j) {
         float pj = p[i][j];
-        float gj = g[i][j] * inv_grad_scale;
+        const float unscaled = g[i][j] * inv_grad_scale;
+        g[i][j] = unscaled;
+        float gj = maximize ? -unscaled : unscaled;
         // Decay terms only when asked for: 0 * inf would turn an inf parameter's state NaN.
         // p - (lr * wd) * p rather than p * (1 - lr * wd): no rounding of a factor near 1,
         // whose error would repeat every step.
@@ -102,6 +110,7 @@ struct AdamFunctor {
       group.store(exp_avg_sq, v);
       group.store(current, p);
       if constexpr (kMaster) group.store(params, p);
+      if (write_grads) group.store(grad, g);
     };
     apex_optimizers::for_each_element<apex::vector_width<Param, Grad, float>(), kMaster>(
         chunk.size, body, params, current, grad, exp_avg, exp_avg_sq);
@@ -112,7 +121,8 @@ void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
                      at::TensorList exp_avg_sqs, at::TensorList master_params, double lr, int64_t step, double beta1,
                      double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
                      const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& step_tensor,
-                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+                     const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                     bool maximize) {
   namespace checks = apex::checks;
   checks::positive_chunk_size(kOp, chunk_size);
   checks::same_lengths(kOp, {{"params", params.size()},
@@ -121,7 +131,8 @@ void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
                              {"exp_avg_sqs", exp_avg_sqs.size()}});
   const auto device = apex_optimizers::check_common(
       kOp, params, grads, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}}, master_params,
-      {{"lr_tensor", lr_tensor}, {"step_tensor", step_tensor}, {"grad_scale", grad_scale}, {"found_inf", found_inf}});
+      {{"lr_tensor", lr_tensor}, {"step_tensor", step_tensor}, {"grad_scale", grad_scale}, {"found_inf", found_inf}},
+      apex_optimizers::kWithDouble);
   const bool has_step_tensor = step_tensor.has_value() && step_tensor->defined();
   TORCH_CHECK_VALUE(has_step_tensor || step >= 1 || !bias_correction, kOp,
                     ": step must be >= 1 with bias_correction, got ", step);
@@ -145,6 +156,7 @@ void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
   args.weight_decay = static_cast<float>(weight_decay);
   args.adam_w_mode = adam_w_mode;
   args.bias_correction = bias_correction;
+  args.maximize = maximize;
 
   const c10::cuda::CUDAGuard device_guard(*device);
   apex_optimizers::launch_elementwise<AdamFunctor>(kOp, chunk_size, params, grads, master_params, args, exp_avgs,

@@ -31,6 +31,7 @@ struct SgdArgs {
   bool nesterov;
   bool first_run;
   bool wd_after_momentum;
+  bool maximize;
 };
 
 // Lists: 0 the parameter the update is computed on (fp32 master copy when kMaster, else the
@@ -48,7 +49,8 @@ struct SgdFunctor {
   __device__ void operator()(const apex::Chunk<kDepth>& chunk) const {
     if (args.scalars.skip()) return;
     const float lr = args.scalars.lr(args.lr);
-    const float inv_grad_scale = args.scalars.inv_grad_scale();
+    // maximize: the gradient negated as it is read (the sign folded into the unscaling factor)
+    const float inv_grad_scale = args.maximize ? -args.scalars.inv_grad_scale() : args.scalars.inv_grad_scale();
     const float decay_before = args.wd_after_momentum ? 0.0f : args.weight_decay;
     const float decay_after = args.wd_after_momentum ? args.weight_decay : 0.0f;
     const float momentum = args.momentum;
@@ -98,7 +100,8 @@ struct SgdFunctor {
 void fused_sgd_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
                     bool nesterov, bool first_run, bool wd_after_momentum, const std::optional<at::Tensor>& lr_tensor,
-                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
+                    bool maximize) {
   namespace checks = apex::checks;
   checks::positive_chunk_size(kOp, chunk_size);
   const bool has_momentum = momentum != 0.0;
@@ -129,6 +132,7 @@ void fused_sgd_cuda(int64_t chunk_size, at::TensorList params, at::TensorList gr
   args.nesterov = nesterov;
   args.first_run = first_run;
   args.wd_after_momentum = wd_after_momentum;
+  args.maximize = maximize;
 
   const c10::cuda::CUDAGuard device_guard(*device);
   apex::dispatch_float_types2(

@@ -13,9 +13,11 @@
 #include <c10/core/Device.h>
 #include <c10/util/ArrayRef.h>
 
+#include <array>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include <apex/checks.h>
 #include <apex/dispatch.h>
@@ -51,17 +53,22 @@ struct NamedScalar {
 // _check_common of _ops.py: the tensor lists (params first, then grads, the fp32 state lists
 // and the optional fp32 master_params), then the optional fp32 one-element tensors. The
 // caller has checked that params, grads and states have one length. Returns the device of
-// params, or nullopt when there are none.
+// params, or nullopt when there are none. params and grads of `param_dtypes` (Adam and Adagrad
+// also take float64).
+inline constexpr std::array<c10::ScalarType, 4> kWithDouble = {c10::ScalarType::Float, c10::ScalarType::Half,
+                                                               c10::ScalarType::BFloat16, c10::ScalarType::Double};
+
 inline std::optional<c10::Device> check_common(const char* op, at::TensorList params, at::TensorList grads,
                                                std::initializer_list<NamedList> states,
                                                at::TensorList master_params,
-                                               std::initializer_list<NamedScalar> scalars) {
+                                               std::initializer_list<NamedScalar> scalars,
+                                               c10::ArrayRef<c10::ScalarType> param_dtypes = apex::checks::kFloatDtypes) {
   namespace checks = apex::checks;
   std::optional<c10::Device> device;
   if (!params.empty()) device = params[0].device();
   const c10::Device list_device = device.value_or(c10::Device(c10::kCPU));
-  checks::tensor_list(op, "params", params, list_device);
-  checks::tensor_list(op, "grads", grads, list_device);
+  checks::tensor_list(op, "params", params, list_device, param_dtypes);
+  checks::tensor_list(op, "grads", grads, list_device, param_dtypes);
   for (const auto& state : states) {
     checks::tensor_list(op, state.name, state.tensors, list_device, {at::kFloat});
   }
@@ -72,6 +79,10 @@ inline std::optional<c10::Device> check_common(const char* op, at::TensorList pa
   checks::same_numel(op, "grads", grads, "params", params);
   for (const auto& state : states) checks::same_numel(op, state.name, state.tensors, "params", params);
   checks::same_numel(op, "master_params", master_params, "params", params);
+  std::vector<checks::NamedTensorList> lists = {{"params", params}, {"grads", grads}};
+  for (const auto& state : states) lists.emplace_back(state.name, state.tensors);
+  lists.emplace_back("master_params", master_params);
+  checks::same_layouts(op, lists);
   for (const auto& scalar : scalars) {
     if (scalar.tensor.has_value() && scalar.tensor->defined()) {
       checks::scalar_tensor(op, scalar.name, *scalar.tensor, {at::kFloat}, device);
@@ -121,9 +132,19 @@ __device__ __forceinline__ void for_each_element(int64_t n, Body& body, Param* p
 // The launch of an element-wise optimizer whose Functor<Param, Grad, kMaster> takes the lists
 // of the convention above: the parameter it updates (master_params when given), grads, the
 // state lists, and with master_params the params last (written only).
+// float64 params (Adam, Adagrad: checked by check_common) take float64 grads, no master copy.
 template <template <typename, typename, bool> class Functor, typename Args, typename... States>
 void launch_elementwise(const char* op, int64_t chunk_size, at::TensorList params, at::TensorList grads,
                         at::TensorList master_params, const Args& args, States... states) {
+  if (params[0].scalar_type() == at::kDouble || grads[0].scalar_type() == at::kDouble) {
+    TORCH_CHECK_TYPE(params[0].scalar_type() == grads[0].scalar_type(), op, ": params have dtype torch.",
+                     apex::checks::dtype_name(params[0].scalar_type()), " but grads have torch.",
+                     apex::checks::dtype_name(grads[0].scalar_type()), "; float64 params need float64 grads");
+    TORCH_CHECK_VALUE(master_params.empty(), op, ": float64 params take no master_params");
+    constexpr int kDepth = 2 + sizeof...(States);
+    apex::multi_tensor_apply<kDepth>(chunk_size, {params, grads, states...}, Functor<double, double, false>{args});
+    return;
+  }
   apex::dispatch_float_types2(params[0].scalar_type(), "params", grads[0].scalar_type(), "grads", op,
                               [&](auto param_tag, auto grad_tag) {
                                 using Param = typename decltype(param_tag)::type;
