@@ -211,6 +211,77 @@ def dead_peer_worker(rank: int, world: int):
 # Helpers for the checks -------------------------------------------------------------------
 
 
+class Mismatched(nn.Module):
+    """The same module on every rank except in the one place ``case`` names, on rank 1."""
+
+    def __init__(self, case: str, rank: int):
+        super().__init__()
+        other = rank == 1
+        self.embed = nn.Linear(4, 6, dtype=torch.float32 if case == "dtype" and other else torch.float64)
+        shape = {"shape": (6, 5), "numel": (2, 12)}.get(case, (4, 6)) if other else (4, 6)
+        self.mix = nn.Parameter(torch.ones(shape, dtype=torch.float64))
+        if case == "count" and other:
+            self.extra = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.register_buffer("scale", torch.ones(5 if case == "buffer" and other else 3, dtype=torch.float64))
+
+
+MISMATCH_CASES = ("shape", "numel", "dtype", "count", "buffer")
+
+
+def mismatch_worker(rank: int, world: int) -> dict:
+    """Per case, the error DDP and Reducer(module) raise at construction (or that none was raised)."""
+    out = {}
+    for case in MISMATCH_CASES:
+        for wrapper in (DistributedDataParallel, Reducer):
+            try:
+                wrapper(Mismatched(case, rank))
+                out[case, wrapper.__name__] = ("no error", "")
+            except Exception as exc:  # the error is the result
+                out[case, wrapper.__name__] = (type(exc).__name__, str(exc))
+    # the same model on every rank still constructs, and the ranks agree afterwards
+    ddp = DistributedDataParallel(Mismatched("none", rank))
+    out["same"] = [p.detach().clone() for p in ddp.parameters()]
+    return out
+
+
+# Per case: what differs, and its description on rank 0 and on rank 1.
+MISMATCH_FACTS = {
+    "shape": ("parameter 'mix'", "shape (4, 6) and dtype torch.float64", "shape (6, 5) and dtype torch.float64"),
+    "numel": ("parameter 'mix'", "shape (4, 6) and dtype torch.float64", "shape (2, 12) and dtype torch.float64"),
+    "dtype": (
+        "parameter 'embed.weight'",
+        "shape (6, 4) and dtype torch.float64",
+        "shape (6, 4) and dtype torch.float32",
+    ),
+    "buffer": ("buffer 'scale'", "shape (3,) and dtype torch.float64", "shape (5,) and dtype torch.float64"),
+}
+
+
+def test_ranks_with_different_models_raise_a_clear_error_on_every_rank():
+    results = run_ranks(HERE, "mismatch_worker", 2, timeout=120)
+    for rank, out in enumerate(results):
+        other = 1 - rank
+        for case in MISMATCH_CASES:
+            for wrapper in ("DistributedDataParallel", "Reducer"):
+                kind, message = out[case, wrapper]
+                if case == "buffer" and wrapper == "Reducer":  # Reducer broadcasts parameters only
+                    assert kind == "no error", message
+                    continue
+                assert kind == "ValueError", (rank, case, wrapper, kind, message)
+                assert message.startswith(f"{wrapper}: module differs across ranks: "), message
+                if case == "count":
+                    counts = ["3 parameters", "4 parameters"]
+                    if wrapper == "DistributedDataParallel":
+                        counts = [f"{c} and 1 buffers" for c in counts]
+                    expected = f"rank {rank} has {counts[rank]} but rank {other} has {counts[other]}"
+                else:
+                    what, *facts = MISMATCH_FACTS[case]
+                    expected = f"{what} has {facts[rank]} on rank {rank} but {facts[other]} on rank {other}"
+                assert expected in message, (case, wrapper, message)
+    for a, b in zip(results[0]["same"], results[1]["same"]):
+        assert torch.equal(a, b)
+
+
 def assert_close_to_reference(name: str, got: dict, ref: dict, tol: float) -> None:
     for step, (g_step, r_step) in enumerate(zip(got["grads"], ref["grads"])):
         for pname, g in g_step.items():

@@ -71,6 +71,56 @@ def test_larc_delegates():
     assert larc.state is inner.state
 
 
+def test_larc_takes_the_optimizer_hooks_amp_uses():
+    """amp.initialize keeps its bookkeeping on the optimizer it is given (``_amp_stash``), replaces its
+    step/zero_grad/add_param_group, and registers state-dict hooks that read that bookkeeping: on a
+    LARC, the hooks must see the LARC (not the wrapped optimizer) and the replaced methods must win."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    larc = LARC(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    larc._amp_stash = "stash"
+    seen = []
+
+    def save(optimizer, state_dict):
+        seen.append(("save", optimizer, optimizer._amp_stash))
+        state_dict["extra"] = 1
+        return state_dict
+
+    def take(optimizer, state_dict):
+        seen.append(("take", optimizer, state_dict.pop("extra")))
+        return state_dict
+
+    handles = [
+        larc.register_state_dict_pre_hook(lambda optimizer: seen.append(("pre-save", optimizer))),
+        larc.register_state_dict_post_hook(save),
+        larc.register_load_state_dict_pre_hook(take),
+        larc.register_load_state_dict_post_hook(lambda optimizer: seen.append(("loaded", optimizer))),
+        larc.register_step_pre_hook(lambda optimizer, args, kwargs: seen.append(("pre-step", optimizer))),
+        larc.register_step_post_hook(lambda optimizer, args, kwargs: seen.append(("post-step", optimizer))),
+    ]
+    params[0].grad = torch.ones(3)
+    larc.step()
+    state = larc.state_dict()
+    assert state["extra"] == 1
+    larc.load_state_dict(state)
+    assert seen == [
+        ("pre-step", larc),
+        ("post-step", larc),
+        ("pre-save", larc),
+        ("save", larc, "stash"),
+        ("take", larc, 1),
+        ("loaded", larc),
+    ]
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    larc.step()
+    assert "extra" not in larc.state_dict() and seen == []
+    # amp replaces the methods on the instance; the replacements are what callers then get
+    larc.step = lambda: "patched"
+    assert larc.step() == "patched"
+    assert getattr(larc, "_step_supports_amp_scaling", False) is False  # LARC's step reads the gradients
+
+
 def test_larc_bad_arguments():
     with pytest.raises(TypeError, match="optimizer"):
         LARC([torch.nn.Parameter(torch.ones(1))])

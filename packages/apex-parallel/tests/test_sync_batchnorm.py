@@ -12,7 +12,7 @@ import torch.distributed as dist
 from apex.core.testing import run_ranks
 from apex.parallel import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group, optimized_sync_batchnorm
 
-TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2, torch.float64: 1e-10}
 TORCH_BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d, 5: torch.nn.BatchNorm3d}
 
 
@@ -77,7 +77,7 @@ def run_module(module, case, slices, device, dtype):
     if zz is not None:
         result["grad_z"] = from_layout(zz.grad, layout)
     # numpy arrays pickle by value (tensors would travel as shared-memory handles).
-    return {k: v.detach().float().cpu().numpy() for k, v in result.items()}
+    return {k: v.detach().double().cpu().numpy() for k, v in result.items()}
 
 
 def parameter_results(bn):
@@ -109,7 +109,7 @@ def make_module(case, device, dtype, process_group=None):
         process_group=process_group,
         channel_last=case["layout"] == "channel_last",
         fuse_relu=case.get("relu", False),
-    ).to(device)
+    ).to(device=device, dtype=torch.float64 if dtype == torch.float64 else None)  # a float64 model is float64
     if module.affine:
         with torch.no_grad():
             module.weight.copy_(weight)
@@ -202,7 +202,8 @@ def check_ranks(case, results, dtype, group_size=None):
                 close(got["eval_out"], own, dtype, f"{name} eval_out")
             for key in ("running_mean", "running_var", "num_batches_tracked"):
                 if key in expected:
-                    close(got[key], expected[key], torch.float32 if dtype == torch.float32 else torch.float16, key)
+                    low = dtype in (torch.float16, torch.bfloat16)
+                    close(got[key], expected[key], torch.float16 if low else dtype, key)
         for key in ("grad_weight", "grad_bias"):
             if key in expected:
                 # Weight gradients stay local (DDP averages them): their sum over the group is the whole's.
@@ -270,6 +271,19 @@ def test_two_ranks_gloo():
     results = run_ranks(__file__, "worker_cases", 2, args=(cases, "gloo", "float32", 0), timeout=240)
     for i, case in enumerate(cases):
         check_ranks(case, [results[r][i] for r in range(2)], torch.float32)
+
+
+def test_two_ranks_gloo_float64():
+    """float64 input, weights and buffers (as upstream's Python SyncBatchNorm takes them), to float64 accuracy."""
+    cases = [
+        dict(name="f64-nchw", shape=(4, 3), layout="nchw"),
+        dict(name="f64-channels-last", shape=(3, 2, 3), layout="channels_last_memory"),
+        dict(name="f64-relu-z-channel-last", shape=(3, 3, 2), layout="channel_last", relu=True, momentum=None),
+    ]
+    cases = with_batches(cases, [(3, 2), (1, 4)])
+    results = run_ranks(__file__, "worker_cases", 2, args=(cases, "gloo", "float64", 0), timeout=240)
+    for i, case in enumerate(cases):
+        check_ranks(case, [results[r][i] for r in range(2)], torch.float64)
 
 
 def test_three_ranks_gloo_uneven_and_empty():
@@ -341,6 +355,14 @@ def test_single_process_matches_torch(device, case):
     module = make_module(case, device, torch.float32)
     got = run_module(module, case, slice(0, 5), device, torch.float32)
     check_ranks(case, [got], torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last_memory", "channel_last"])
+def test_single_process_float64(device, layout):
+    case = dict(name=f"f64-{layout}", shape=(4, 3, 5), layout=layout, seed=5, batches=[6], relu=True)
+    module = make_module(case, device, torch.float64)
+    got = run_module(module, case, slice(0, 6), device, torch.float64)
+    check_ranks(case, [got], torch.float64)
 
 
 @pytest.mark.gpu

@@ -111,6 +111,51 @@ def test_forward_backward_ops(device, shape, channel_last, dtype):
         assert_close(masked, ref_masked, dtype, "relu_backward")
 
 
+@pytest.mark.parametrize(("shape", "channel_last"), SHAPES, ids=SHAPE_IDS)
+def test_float64_ops(device, shape, channel_last):
+    """float64 input (as upstream's Python SyncBatchNorm takes it): statistics, sums and gradients in
+    float64, to float64 accuracy (weight float64 or float32; count float32 or float64)."""
+    for weight_dtype in (torch.float64, torch.float32):
+        x, dy, z, weight, bias = make_case(device, shape, channel_last, torch.float64, weight_dtype)
+        mean, var = welford_op(channel_last)(x)
+        ref_mean, ref_var = _reference.welford_mean_var(x, channel_last)
+        assert mean.dtype == var.dtype == torch.float64
+        tight = dict(rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(mean, ref_mean, **tight)
+        torch.testing.assert_close(var, ref_var, **tight)
+        n = x.numel() // x.shape[-1 if channel_last else 1]
+        for count in (torch.tensor([n], device=device, dtype=torch.float32), torch.tensor([n], device=device).double()):
+            running = (torch.zeros_like(mean), torch.ones_like(var))
+            merged, invstd = OPS.welford_parallel(mean[None], var[None], count, 1e-5, *running, 0.5)
+            assert merged.dtype == invstd.dtype == torch.float64
+            torch.testing.assert_close(invstd, torch.rsqrt(ref_var + 1e-5), **tight)
+            torch.testing.assert_close(running[0], ref_mean * 0.5, **tight)
+            unbiased = ref_var * n / (n - 1) if n > 1 else torch.full_like(ref_var, float("nan"))
+            torch.testing.assert_close(running[1], 0.5 + unbiased * 0.5, equal_nan=True, **tight)
+        args = (merged, invstd, weight, bias)
+        if channel_last:
+            out = OPS.batch_norm_forward_c_last(x, z, *args, True)
+            expected = _reference.batch_norm_forward(x, z, *args, True, True)
+            masked = OPS.relu_backward_c_last(dy, x, z, *args)
+            torch.testing.assert_close(masked, _reference.relu_backward(dy, x, z, *args, True), **tight)
+        else:
+            out = OPS.batch_norm_forward(x, *args)
+            expected = _reference.batch_norm_forward(x, None, *args, False, False)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, expected, **tight)
+        reduce = OPS.reduce_bn_c_last if channel_last else OPS.reduce_bn
+        sums = reduce(dy, x, merged, invstd, weight)
+        ref = _reference.reduce_bn(dy, x, merged, invstd, weight, channel_last)
+        assert [t.dtype for t in sums] == [torch.float64, torch.float64, weight_dtype, weight_dtype]
+        for a, e in zip(sums, ref):
+            torch.testing.assert_close(a, e, **tight)
+        backward = OPS.batch_norm_backward_c_last if channel_last else OPS.batch_norm_backward
+        grad_input = backward(dy, x, merged, invstd, weight, sums[0], sums[1], count)
+        assert grad_input.dtype == torch.float64
+        expected = _reference.batch_norm_backward(dy, x, merged, invstd, weight, *sums[:2], count, channel_last)
+        torch.testing.assert_close(grad_input, expected, **tight)
+
+
 @pytest.mark.parametrize("channel_last", [False, True], ids=["nchw", "c_last"])
 def test_batch_norm_matches_torch(device, channel_last):
     """The ops composed as the module does equal torch's batch norm (weight in the input dtype too)."""
@@ -288,6 +333,20 @@ def opcheck_cases(device):
             (dyl, xl, mean, invstd, None, mean.clone(), var.clone(), count),
         ),
         "relu_backward_c_last": (OPS.relu_backward_c_last.default, (dyl, xl, zl, mean, invstd, weight, bias)),
+        # float64: float64 statistics and sums (the fakes follow the input's dtype)
+        "welford_mean_var-float64": (OPS.welford_mean_var.default, (x.double(),)),
+        "welford_parallel-float64": (
+            OPS.welford_parallel.default,
+            (mean[None].double(), var[None].double(), count.double(), 1e-5, mean.double(), var.double(), 0.1),
+        ),
+        "reduce_bn_c_last-float64": (
+            OPS.reduce_bn_c_last.default,
+            (dyl.double(), xl.double(), mean.double(), invstd.double(), None),
+        ),
+        "batch_norm_backward-float64": (
+            OPS.batch_norm_backward.default,
+            (dy.double(), x.double(), mean.double(), invstd.double(), weight, mean.double(), var.double(), count),
+        ),
     }
 
 
@@ -309,10 +368,16 @@ def bad_cases(device):
     count = torch.tensor([45.0], device=device)
     return [
         (
-            "double input",
-            lambda: OPS.welford_mean_var(x.double()),
+            "integer input",
+            lambda: OPS.welford_mean_var(x.long()),
             TypeError,
-            r"welford_mean_var: input has dtype torch.float64; expected one of float32, float16, bfloat16",
+            r"welford_mean_var: input has dtype torch.int64; expected one of float32, float16, bfloat16, float64",
+        ),
+        (
+            "float32 statistics of a float64 input",
+            lambda: OPS.batch_norm_forward(x.double(), stat, stat, None, None),
+            TypeError,
+            r"batch_norm_forward: mean has dtype torch.float32; expected torch.float64 \(the input's statistics\)",
         ),
         (
             "1-D input",
@@ -389,9 +454,9 @@ def bad_cases(device):
         ),
         (
             "running dtype",
-            lambda: OPS.welford_parallel(stat[None], stat[None], count, 1e-5, stat.double(), stat.double()),
+            lambda: OPS.welford_parallel(stat[None], stat[None], count, 1e-5, stat.long(), stat.long()),
             TypeError,
-            r"welford_parallel: running_mean has dtype torch.float64; expected one of float32",
+            r"welford_parallel: running_mean has dtype torch.int64; expected one of float32",
         ),
         (
             "mean 1-D",

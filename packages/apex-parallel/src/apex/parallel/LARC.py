@@ -20,7 +20,8 @@ class LARC:
     back afterwards. Norms are computed in fp32 (fp64 for fp64), on the device (no host sync).
 
     ``param_groups``, ``state``, ``state_dict``, ``load_state_dict``, ``zero_grad`` and
-    ``add_param_group`` are the wrapped optimizer's.
+    ``add_param_group`` are the wrapped optimizer's, and so are its hooks (``register_*_hook``),
+    which then receive the LARC as their optimizer: ``amp.initialize`` takes a LARC-wrapped optimizer.
 
     Args:
         optimizer: the optimizer to wrap (for example ``torch.optim.SGD``).
@@ -79,6 +80,30 @@ class LARC:
 
     def add_param_group(self, param_group: dict) -> None:
         self.optim.add_param_group(param_group)
+
+    # The hooks of torch.optim.Optimizer, registered on the wrapped optimizer but called with this
+    # LARC as their ``optimizer`` (amp.initialize keeps its bookkeeping on the LARC it is given, and
+    # its state-dict hooks read it there). The step hooks run around the wrapped optimizer's step.
+
+    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optim.register_state_dict_pre_hook(lambda _: hook(self), prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optim.register_state_dict_post_hook(lambda _, state_dict: hook(self, state_dict), prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
+        return self.optim.register_load_state_dict_pre_hook(
+            lambda _, state_dict: hook(self, state_dict), prepend=prepend
+        )
+
+    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
+        return self.optim.register_load_state_dict_post_hook(lambda _: hook(self), prepend=prepend)
+
+    def register_step_pre_hook(self, hook):
+        return self.optim.register_step_pre_hook(lambda _, args, kwargs: hook(self, args, kwargs))
+
+    def register_step_post_hook(self, hook):
+        return self.optim.register_step_post_hook(lambda _, args, kwargs: hook(self, args, kwargs))
 
     @torch.no_grad()
     def _adapt(self, group: dict, weight_decay: float) -> None:

@@ -2,9 +2,11 @@
 
 Two layouts: channels-first ops take a contiguous ``(N, C, *spatial)`` input; the ``_c_last``
 ops take a contiguous input whose last dimension is the channels (``(N, H, W, C)``, or any
-``(..., C)``; a 2-D ``(N, C)`` input is both). Per-channel tensors are float32 of shape ``(C,)``;
-weight and bias are float32 or the input's dtype; outputs and gradients of the input have the
-input's dtype. The math is in ``_reference.py``; how an op is written: ``apex.core.library``.
+``(..., C)``; a 2-D ``(N, C)`` input is both). Inputs are float32, float16, bfloat16 or float64.
+Per-channel statistics and sums are float32 of shape ``(C,)`` (float64 for a float64 input);
+weight and bias are float32 or the input's dtype; counts are float32 (or float64); outputs and
+gradients of the input have the input's dtype. The math is in ``_reference.py``; how an op is
+written: ``apex.core.library``.
 
 - ``welford_mean_var[_c_last](input) -> (mean, var_biased)``: this rank's statistics;
 - ``welford_parallel(mean, var_biased, count, eps, running_mean, running_var, momentum)
@@ -13,7 +15,7 @@ input's dtype. The math is in ``_reference.py``; how an op is written: ``apex.co
 - ``batch_norm_forward(input, mean, invstd, weight, bias)``, ``batch_norm_forward_c_last(input,
   z, mean, invstd, weight, bias, fuse_relu)``: the normalized output (``relu(bn(x) + z)``);
 - ``reduce_bn[_c_last](grad_output, input, mean, invstd, weight) -> (sum_dy, sum_dy_xmu,
-  grad_weight, grad_bias)``; the weight gradients are empty float32 tensors without a weight;
+  grad_weight, grad_bias)``; the weight gradients are empty (statistics dtype) without a weight;
 - ``batch_norm_backward[_c_last](grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu,
   count) -> grad_input``, ``count`` being the per-rank counts (their sum is the group's);
 - ``relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)``: ``grad_output``
@@ -31,8 +33,9 @@ from apex.core.library import op
 from apex.parallel import _reference
 from apex.parallel._plugin import KERNELS
 
-FLOAT_DTYPES = checks.FLOAT_DTYPES
-_DTYPE_NAMES = "float32, float16, bfloat16"
+FLOAT_DTYPES = (*checks.FLOAT_DTYPES, torch.float64)
+_DTYPE_NAMES = "float32, float16, bfloat16, float64"
+_COUNT_DTYPES = (torch.float32, torch.float64)
 
 
 # checks ----------------------------------------------------------------------------------------
@@ -65,10 +68,15 @@ def _check_per_channel(op: str, name: str, t: torch.Tensor, channels: int, devic
     checks.dense(op, name, t, device)
 
 
+def _stat_dtype_error(op: str, name: str, dtype: torch.dtype, expected: torch.dtype) -> TypeError:
+    why = " (the input's statistics)" if expected == torch.float64 else ""
+    return TypeError(f"{op}: {name} has dtype {dtype}; expected {expected}{why}")
+
+
 def _check_channel_stat(a, name: str) -> None:
-    t = getattr(a, name)
-    if t.dtype != torch.float32:
-        raise TypeError(f"{a.op}: {name} has dtype {t.dtype}; expected torch.float32")
+    t, expected = getattr(a, name), _reference.compute_dtype(a.input.dtype)
+    if t.dtype != expected:
+        raise _stat_dtype_error(a.op, name, t.dtype, expected)
     _check_per_channel(a.op, name, t, a.channels, a.input.device)
 
 
@@ -90,8 +98,8 @@ def _check_affine(a, bias) -> None:
 
 
 def _check_count(op: str, count: torch.Tensor, device: torch.device) -> None:
-    if count.dtype != torch.float32:
-        raise TypeError(f"{op}: count has dtype {count.dtype}; expected torch.float32")
+    if count.dtype not in _COUNT_DTYPES:
+        raise TypeError(f"{op}: count has dtype {count.dtype}; expected torch.float32 or torch.float64")
     if count.dim() != 1:
         raise ValueError(f"{op}: count must be 1-D (one count per rank), got shape {tuple(count.shape)}")
     checks.placed(op, "count", count, device)
@@ -117,11 +125,12 @@ def _check_z(a) -> None:
 
 
 def _stat(like: torch.Tensor, channels: int) -> torch.Tensor:
-    return like.new_empty((channels,), dtype=torch.float32)
+    """A per-channel statistic of the input ``like`` (or of statistics ``like``)."""
+    return like.new_empty((channels,), dtype=_reference.compute_dtype(like.dtype))
 
 
-def _empty_f32(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty((0,), dtype=torch.float32)
+def _empty_stat(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty((0,), dtype=_reference.compute_dtype(like.dtype))
 
 
 def _like_input(a) -> torch.Tensor:
@@ -160,9 +169,10 @@ welford_mean_var, welford_mean_var_c_last = _in_both_layouts(
 def _check_parallel(a) -> None:
     """Sets ``a.channels``."""
     op, mean, var_biased, count = a.op, a.mean, a.var_biased, a.count
-    for name, t in (("mean", mean), ("var_biased", var_biased)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected torch.float32")
+    if mean.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{op}: mean has dtype {mean.dtype}; expected torch.float32 or torch.float64")
+    if var_biased.dtype != mean.dtype:
+        raise TypeError(f"{op}: var_biased has dtype {var_biased.dtype} but mean has {mean.dtype}")
     if mean.dim() != 2:
         raise ValueError(f"{op}: mean must be 2-D (ranks, channels), got shape {tuple(mean.shape)}")
     if tuple(var_biased.shape) != tuple(mean.shape):
@@ -242,13 +252,13 @@ def _reduce_bn(a):
         a.grad_output, a.input, a.mean, a.invstd, a.weight, a.channel_last
     )
     if grad_weight is None:
-        grad_weight, grad_bias = _empty_f32(a.input), _empty_f32(a.input)
+        grad_weight, grad_bias = _empty_stat(a.input), _empty_stat(a.input)
     return _contiguous(sum_dy, sum_dy_xmu, grad_weight, grad_bias)
 
 
 def _reduce_bn_fake(a):
     if a.weight is None:
-        grads = (_empty_f32(a.input), _empty_f32(a.input))
+        grads = (_empty_stat(a.input), _empty_stat(a.input))
     else:
         grads = (torch.empty_like(a.weight), torch.empty_like(a.weight))
     return (_stat(a.input, a.channels), _stat(a.input, a.channels), *grads)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import warnings
 from collections.abc import Iterable, Sequence
 
@@ -85,6 +86,55 @@ def _coalesced(tensors: Sequence[torch.Tensor], collective, average: bool = Fals
 
 def _broadcast_from_rank0(tensors: Sequence[torch.Tensor]) -> None:
     _coalesced(tensors, lambda flat: dist.broadcast(flat, src=0))
+
+
+# all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check_same_module(owner: str, module: nn.Module, device: torch.device, buffers: bool) -> None:
+    """Raise on every rank unless every rank holds parameters (and, with ``buffers``, the buffers on
+    ``device``) of the same shapes and dtypes, as torch's DDP verifies: a broadcast of mismatched
+    tensors aborts a gloo rank, and one of equal sizes but other shapes would train silently. One
+    all-gather of an 8-byte fingerprint; the descriptions are gathered only when fingerprints differ."""
+    described = [(f"parameter {n!r}", tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()]
+    counts = [len(described)]
+    if buffers:
+        on_device = [(f"buffer {n!r}", tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()]
+        on_device = [d for d, b in zip(on_device, module.buffers()) if b.device == device]
+        described += on_device
+        counts.append(len(on_device))
+    digest = hashlib.blake2b(repr((counts, [d[1:] for d in described])).encode(), digest_size=8).digest()
+    fingerprint = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
+    world = dist.get_world_size()
+    gathered = fingerprint.new_empty(world)
+    _all_gather(gathered, fingerprint)
+    fingerprints = gathered.tolist()
+    if len(set(fingerprints)) == 1:
+        return
+    everyone: list = [None] * world
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(everyone, (counts, described))
+    rank = dist.get_rank()
+    other = next(r for r in range(world) if fingerprints[r] != fingerprints[rank])
+    their_counts, theirs = everyone[other]
+
+    def tally(c):
+        return f"{c[0]} parameters" + (f" and {c[1]} buffers" if buffers else "")
+
+    detail = f"rank {rank} has {tally(counts)} but rank {other} has {tally(their_counts)}"
+    if their_counts == counts:
+        for (what, shape, dtype), (_, their_shape, their_dtype) in zip(described, theirs):
+            if (shape, dtype) != (their_shape, their_dtype):
+                detail = (
+                    f"{what} has shape {shape} and dtype {dtype} on rank {rank} but shape {their_shape} "
+                    f"and dtype {their_dtype} on rank {other}"
+                )
+                break
+    raise ValueError(
+        f"{owner}: module differs across ranks: {detail}; every rank must hold the same model "
+        "(the same parameters and buffers, with the same shapes and dtypes, in the same order)"
+    )
 
 
 def _zero_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
@@ -261,6 +311,7 @@ class DistributedDataParallel(nn.Module):
                 torch.cuda.Stream(device=self._device) if self._on_cuda else None for _ in range(num_allreduce_streams)
             ]
 
+        _check_same_module("DistributedDataParallel", module, self._device, buffers=True)
         buffers = [b for b in module.buffers() if b.device == self._device]
         _broadcast_from_rank0([p.detach() for p in params] + buffers)
 
@@ -485,6 +536,9 @@ class Reducer:
         if isinstance(module_or_grads_list, nn.Module):
             self.module = module_or_grads_list
             self.grads = None
+            first = next(self.module.parameters(), None)
+            if first is not None:
+                _check_same_module("Reducer", self.module, first.device, buffers=False)
             _broadcast_from_rank0([p.detach() for p in self.module.parameters()])
         else:
             self.module = None

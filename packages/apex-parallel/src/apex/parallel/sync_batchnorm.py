@@ -92,7 +92,7 @@ class SyncBatchNorm(_BatchNorm):
     In training, each channel is normalized with the mean and (biased) variance of all elements
     of that channel on all ranks of ``process_group``:
     :math:`y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta`.
-    Each rank computes Welford statistics in float32, one all-gather shares them, and a
+    Each rank computes Welford statistics in float32 (float64 for a float64 input), one all-gather shares them, and a
     count-weighted merge combines them, so ranks may hold different batch sizes. The backward
     pass all-reduces the two per-channel gradient sums once. Running statistics, eval mode and
     the state dict are those of :class:`torch.nn.BatchNorm2d`; without an initialized process
@@ -113,8 +113,8 @@ class SyncBatchNorm(_BatchNorm):
 
     ``forward(input, z=None)``: ``z``, shaped like the input, is added before the ReLU.
     Input: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` (channels last with
-    ``channel_last``), float32, float16 or bfloat16; weight and buffers float32 or the input's
-    dtype.
+    ``channel_last``), float32, float16, bfloat16 or float64; weight and buffers float32 or the
+    input's dtype.
     """
 
     def __init__(

@@ -19,21 +19,28 @@
 namespace apex_parallel {
 namespace {
 
-template <typename W>
-struct SumsOut {
-  float* sum_dy;  // [C]
-  float* sum_dy_xmu;
-  W* grad_weight;  // [C] or null
-  W* grad_bias;
-  const float* invstd;
-  float2* partial;  // [chunks, C] or null
+// (sum_dy, sum_dy_xmu) of one channel: one 8-byte (float) or 16-byte (double) access.
+template <typename A>
+struct alignas(2 * sizeof(A)) SumPair {
+  A x;
+  A y;
 };
 
-template <typename W>
-__device__ __forceinline__ void write_sums(const SumsOut<W>& out, float dy, float dy_xmu, int64_t chunk, int64_t c,
+template <typename W, typename A>
+struct SumsOut {
+  A* sum_dy;  // [C]
+  A* sum_dy_xmu;
+  W* grad_weight;  // [C] or null
+  W* grad_bias;
+  const A* invstd;
+  SumPair<A>* partial;  // [chunks, C] or null
+};
+
+template <typename W, typename A>
+__device__ __forceinline__ void write_sums(const SumsOut<W, A>& out, A dy, A dy_xmu, int64_t chunk, int64_t c,
                                            int64_t channels) {
   if (out.partial != nullptr) {
-    out.partial[chunk * channels + c] = make_float2(dy, dy_xmu);
+    out.partial[chunk * channels + c] = SumPair<A>{dy, dy_xmu};
     return;
   }
   out.sum_dy[c] = dy;
@@ -44,34 +51,34 @@ __device__ __forceinline__ void write_sums(const SumsOut<W>& out, float dy, floa
   }
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
-    reduce_channels_first(const T* __restrict__ grad_output, const T* __restrict__ input,
-                          const float* __restrict__ mean, int64_t channels, int64_t plane_units, int64_t units,
-                          int64_t per_chunk, PlaneStep step, SumsOut<W> out) {
-  __shared__ float shared[apex::kWarpSize];
+    reduce_channels_first(const T* __restrict__ grad_output, const T* __restrict__ input, const A* __restrict__ mean,
+                          int64_t channels, int64_t plane_units, int64_t units, int64_t per_chunk, PlaneStep step,
+                          SumsOut<W, A> out) {
+  __shared__ A shared[apex::kWarpSize];
   const int64_t c = blockIdx.x;
   const int64_t chunk = blockIdx.y;
   const int64_t begin = chunk * per_chunk;
   const int64_t end = begin + per_chunk < units ? begin + per_chunk : units;
-  const float m = mean[c];
-  float sum_dy = 0.0f;
-  float sum_dy_xmu = 0.0f;
+  const A m = mean[c];
+  A sum_dy = A(0);
+  A sum_dy_xmu = A(0);
   int64_t j = begin + threadIdx.x;
   PlaneCursor cursor{j / plane_units, j % plane_units};
   const int64_t plane = plane_units * V;
   for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
-    float x[kUnroll][V];
-    float dy[kUnroll][V];
+    A x[kUnroll][V];
+    A dy[kUnroll][V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * static_cast<int64_t>(blockDim.x) < end) {
         const int64_t offset = (cursor.n * channels + c) * plane + cursor.l * V;
-        load_floats<V>(x[u], input + offset);
-        load_floats<V>(dy[u], grad_output + offset);
+        load_values<V>(x[u], input + offset);
+        load_values<V>(dy[u], grad_output + offset);
       } else {
 #pragma unroll
-        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = 0.0f;
+        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = A(0);
       }
       cursor.advance(step, plane_units);
     }
@@ -89,34 +96,34 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) write_sums(out, sum_dy, sum_dy_xmu, chunk, c, channels);
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
-    reduce_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input,
-                         const float* __restrict__ mean, int64_t rows, int64_t channels, SumsOut<W> out) {
-  __shared__ float2 shared[kThreads * V];
+    reduce_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input, const A* __restrict__ mean,
+                         int64_t rows, int64_t channels, SumsOut<W, A> out) {
+  __shared__ SumPair<A> shared[kThreads * V];
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const bool active = cu * V < channels;
-  float m[V];
-  float2 sums[V];
+  A m[V];
+  SumPair<A> sums[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    m[k] = active ? mean[cu * V + k] : 0.0f;
-    sums[k] = make_float2(0.0f, 0.0f);
+    m[k] = active ? mean[cu * V + k] : A(0);
+    sums[k] = SumPair<A>{A(0), A(0)};
   }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
        r += kUnroll * row_step) {
-    float x[kUnroll][V];
-    float dy[kUnroll][V];
+    A x[kUnroll][V];
+    A dy[kUnroll][V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step < rows) {
         const int64_t offset = (r + u * row_step) * channels + cu * V;
-        load_floats<V>(x[u], input + offset);
-        load_floats<V>(dy[u], grad_output + offset);
+        load_values<V>(x[u], input + offset);
+        load_values<V>(dy[u], grad_output + offset);
       } else {
 #pragma unroll
-        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = 0.0f;
+        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = A(0);
       }
     }
 #pragma unroll
@@ -150,15 +157,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename W>
+template <typename W, typename A>
 __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
-    sums_finalize(int64_t chunks, int64_t channels, SumsOut<W> out) {
-  __shared__ float2 lanes[kFinalizeLanes][apex::kWarpSize + 1];
+    sums_finalize(int64_t chunks, int64_t channels, SumsOut<W, A> out) {
+  __shared__ SumPair<A> lanes[kFinalizeLanes][apex::kWarpSize + 1];
   const int64_t c = blockIdx.x * static_cast<int64_t>(apex::kWarpSize) + threadIdx.x;
-  float2 sums = make_float2(0.0f, 0.0f);
+  SumPair<A> sums{A(0), A(0)};
   if (c < channels) {
     for (int64_t k = threadIdx.y; k < chunks; k += kFinalizeLanes) {
-      const float2 s = out.partial[k * channels + c];
+      const SumPair<A> s = out.partial[k * channels + c];
       sums.x += s.x;
       sums.y += s.y;
     }
@@ -172,7 +179,7 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
     }
   }
   if (threadIdx.y == 0 && c < channels) {
-    SumsOut<W> final_out = out;
+    SumsOut<W, A> final_out = out;
     final_out.partial = nullptr;
     write_sums(final_out, lanes[0][threadIdx.x].x, lanes[0][threadIdx.x].y, 0, c, channels);
   }
@@ -186,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
   const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
   checks::like_input(op, "grad_output", grad_output, input);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto f32 = input.options().dtype(at::kFloat);
+  const auto f32 = input.options().dtype(stat_dtype(input.scalar_type()));  // the statistics' dtype
   const at::Tensor* w = optional_tensor(weight);
   const int64_t numel = input.numel();
   if (numel == 0) {
@@ -204,23 +211,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
   dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
     using T = typename decltype(t)::type;
     using W = typename decltype(wt)::type;
+    using A = acc_t<T>;
     const T* x = static_cast<const T*>(input.const_data_ptr());
     const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
-    SumsOut<W> out{sum_dy.data_ptr<float>(),
-                   sum_dy_xmu.data_ptr<float>(),
-                   w != nullptr ? static_cast<W*>(grad_weight.data_ptr()) : nullptr,
-                   w != nullptr ? static_cast<W*>(grad_bias.data_ptr()) : nullptr,
-                   invstd.const_data_ptr<float>(),
-                   nullptr};
+    SumsOut<W, A> out{sum_dy.data_ptr<A>(),
+                      sum_dy_xmu.data_ptr<A>(),
+                      w != nullptr ? static_cast<W*>(grad_weight.data_ptr()) : nullptr,
+                      w != nullptr ? static_cast<W*>(grad_bias.data_ptr()) : nullptr,
+                      invstd.const_data_ptr<A>(),
+                      nullptr};
     auto finish = [&](int64_t chunks) {
       if (chunks <= 1) return;
-      sums_finalize<W><<<finalize_grid(channels), finalize_block(), 0, stream>>>(chunks, channels, out);
+      sums_finalize<W, A><<<finalize_grid(channels), finalize_block(), 0, stream>>>(chunks, channels, out);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto partials = [&](int64_t chunks) {
       if (chunks <= 1) return;
       partial = at::empty({chunks * channels * 2}, f32);
-      out.partial = reinterpret_cast<float2*>(partial.data_ptr<float>());
+      out.partial = reinterpret_cast<SumPair<A>*>(partial.data_ptr<A>());
     };
     if (!channel_last) {
       const int64_t plane = per_channel / input.size(0);
@@ -231,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
         const int64_t chunks = chunks_for(channels, units, static_cast<int64_t>(kThreads) * kUnroll);
         partials(chunks);
         const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
-        reduce_channels_first<T, W, V><<<grid, kThreads, 0, stream>>>(dy, x, mean.const_data_ptr<float>(), channels,
+        reduce_channels_first<T, W, V><<<grid, kThreads, 0, stream>>>(dy, x, mean.const_data_ptr<A>(), channels,
                                                                        plane_units, units, ceil_div(units, chunks),
                                                                        plane_step(kThreads, plane_units), out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -248,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
         partials(chunks);
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
         reduce_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
-            dy, x, mean.const_data_ptr<float>(), rows, channels, out);
+            dy, x, mean.const_data_ptr<A>(), rows, channels, out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         finish(chunks);
       });
@@ -273,106 +281,107 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_c_last_cuda
 
 // batch_norm_backward -------------------------------------------------------------------------
 
-template <typename T, typename W>
+template <typename T, typename W, typename A = acc_t<T>>
 struct BackwardParams {
   const T* grad_output;
   const T* input;
-  const float* mean;
-  const float* invstd;
+  const A* mean;
+  const A* invstd;
   const W* weight;  // may be null
-  const float* sum_dy;
-  const float* sum_dy_xmu;
-  const float* count;
+  const A* sum_dy;
+  const A* sum_dy_xmu;
+  const A* count;
   int64_t count_size;
   int64_t count_stride;
   T* grad_input;
 };
 
 // Per channel: dx = (dy - mean_dy - (x - mean) * factor) * scale.
+template <typename A>
 struct BackwardCoefficients {
-  float mean;
-  float mean_dy;
-  float factor;
-  float scale;
+  A mean;
+  A mean_dy;
+  A factor;
+  A scale;
 };
 
-template <typename T, typename W>
-__device__ __forceinline__ BackwardCoefficients coefficients(const BackwardParams<T, W>& p, int64_t c,
-                                                             float inv_count) {
-  const float invstd = p.invstd[c];
-  BackwardCoefficients k;
+template <typename T, typename W, typename A>
+__device__ __forceinline__ BackwardCoefficients<A> coefficients(const BackwardParams<T, W, A>& p, int64_t c,
+                                                                A inv_count) {
+  const A invstd = p.invstd[c];
+  BackwardCoefficients<A> k;
   k.mean = p.mean[c];
   k.mean_dy = p.sum_dy[c] * inv_count;
   k.factor = invstd * invstd * p.sum_dy_xmu[c] * inv_count;
-  k.scale = invstd * load_or(p.weight, c, 1.0f);
+  k.scale = invstd * load_or(p.weight, c, A(1));
   return k;
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
     backward_channels_first(BackwardParams<T, W> p, int64_t channels, int64_t plane_units, int64_t units,
                             ChannelStep step) {
-  __shared__ float shared[apex::kWarpSize];
-  const float inv_count = 1.0f / block_count(p.count, p.count_size, p.count_stride, shared);
+  __shared__ A shared[apex::kWarpSize];
+  const A inv_count = A(1) / block_count(p.count, p.count_size, p.count_stride, shared);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   ChannelCursor cursor{(j / plane_units) % channels, j % plane_units};
   for (; j < units; j += kUnroll * stride) {
-    float x[kUnroll][V];
-    float dy[kUnroll][V];
+    A x[kUnroll][V];
+    A dy[kUnroll][V];
     int64_t c[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       c[u] = cursor.c;
       if (j + u * stride < units) {
-        load_floats<V>(x[u], p.input + (j + u * stride) * V);
-        load_floats<V>(dy[u], p.grad_output + (j + u * stride) * V);
+        load_values<V>(x[u], p.input + (j + u * stride) * V);
+        load_values<V>(dy[u], p.grad_output + (j + u * stride) * V);
       }
       cursor.advance(step, plane_units, channels);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * stride >= units) continue;
-      const BackwardCoefficients k = coefficients(p, c[u], inv_count);
-      float dx[V];
+      const BackwardCoefficients<A> k = coefficients(p, c[u], inv_count);
+      A dx[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) dx[e] = (dy[u][e] - k.mean_dy - (x[u][e] - k.mean) * k.factor) * k.scale;
-      store_floats<V>(p.grad_input + (j + u * stride) * V, dx);
+      store_values<V>(p.grad_input + (j + u * stride) * V, dx);
     }
   }
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParams<T, W> p, int64_t rows,
                                                                    int64_t channels) {
-  __shared__ float shared[apex::kWarpSize];
-  const float inv_count = 1.0f / block_count(p.count, p.count_size, p.count_stride, shared);
+  __shared__ A shared[apex::kWarpSize];
+  const A inv_count = A(1) / block_count(p.count, p.count_size, p.count_stride, shared);
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (cu * V >= channels) return;
-  BackwardCoefficients k[V];
+  BackwardCoefficients<A> k[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) k[e] = coefficients(p, cu * V + e, inv_count);
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
-    float x[kUnroll][V];
-    float dy[kUnroll][V];
+    A x[kUnroll][V];
+    A dy[kUnroll][V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step < rows) {
         const int64_t offset = (r + u * row_step) * channels + cu * V;
-        load_floats<V>(x[u], p.input + offset);
-        load_floats<V>(dy[u], p.grad_output + offset);
+        load_values<V>(x[u], p.input + offset);
+        load_values<V>(dy[u], p.grad_output + offset);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step >= rows) continue;
-      float dx[V];
+      A dx[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         dx[e] = (dy[u][e] - k[e].mean_dy - (x[u][e] - k[e].mean) * k[e].factor) * k[e].scale;
       }
-      store_floats<V>(p.grad_input + (r + u * row_step) * channels + cu * V, dx);
+      store_values<V>(p.grad_input + (r + u * row_step) * channels + cu * V, dx);
     }
   }
 }
@@ -382,28 +391,32 @@ at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Ten
                     const at::Tensor& sum_dy_xmu, const at::Tensor& count, bool channel_last) {
   const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
   checks::like_input(op, "grad_output", grad_output, input);
-  checks::channel_stat(op, "sum_dy", sum_dy, channels, input.device());
-  checks::channel_stat(op, "sum_dy_xmu", sum_dy_xmu, channels, input.device());
+  checks::channel_stat(op, "sum_dy", sum_dy, channels, input.device(), input.scalar_type());
+  checks::channel_stat(op, "sum_dy_xmu", sum_dy_xmu, channels, input.device(), input.scalar_type());
   checks::count(op, count, input.device());
   const c10::cuda::CUDAGuard device_guard(input.device());
   at::Tensor grad_input = at::empty(input.sizes(), input.options());
   const int64_t numel = input.numel();
   if (numel == 0) return grad_input;
+  // the counts in the statistics' dtype (a float32 count with float64 statistics, or the reverse)
+  const auto stats = stat_dtype(input.scalar_type());
+  const at::Tensor counts = count.scalar_type() == stats ? count : count.to(stats);
   const auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
     using T = typename decltype(t)::type;
     using W = typename decltype(wt)::type;
+    using A = acc_t<T>;
     BackwardParams<T, W> p{};
     p.grad_output = static_cast<const T*>(grad_output.const_data_ptr());
     p.input = static_cast<const T*>(input.const_data_ptr());
-    p.mean = mean.const_data_ptr<float>();
-    p.invstd = invstd.const_data_ptr<float>();
+    p.mean = mean.const_data_ptr<A>();
+    p.invstd = invstd.const_data_ptr<A>();
     p.weight = optional_ptr<W>(weight);
-    p.sum_dy = sum_dy.const_data_ptr<float>();
-    p.sum_dy_xmu = sum_dy_xmu.const_data_ptr<float>();
-    p.count = count.const_data_ptr<float>();
-    p.count_size = count.size(0);
-    p.count_stride = count.stride(0);
+    p.sum_dy = sum_dy.const_data_ptr<A>();
+    p.sum_dy_xmu = sum_dy_xmu.const_data_ptr<A>();
+    p.count = counts.const_data_ptr<A>();
+    p.count_size = counts.size(0);
+    p.count_stride = counts.stride(0);
     p.grad_input = static_cast<T*>(grad_input.data_ptr());
     if (!channel_last) {
       const int64_t plane = numel / (input.size(0) * channels);
@@ -445,36 +458,36 @@ at::Tensor batch_norm_backward_c_last_cuda(const at::Tensor& grad_output, const 
 
 // relu_backward_c_last ------------------------------------------------------------------------
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
     relu_backward_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input,
-                                const T* __restrict__ z, const float* __restrict__ mean,
-                                const float* __restrict__ invstd, const W* __restrict__ weight,
-                                const W* __restrict__ bias, T* __restrict__ grad, int64_t rows, int64_t channels) {
+                                const T* __restrict__ z, const A* __restrict__ mean, const A* __restrict__ invstd,
+                                const W* __restrict__ weight, const W* __restrict__ bias, T* __restrict__ grad,
+                                int64_t rows, int64_t channels) {
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (cu * V >= channels) return;
-  float m[V], scale[V], shift[V];
+  A m[V], scale[V], shift[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int64_t c = cu * V + k;
     m[k] = mean[c];
-    scale[k] = invstd[c] * load_or(weight, c, 1.0f);
-    shift[k] = load_or(bias, c, 0.0f);
+    scale[k] = invstd[c] * load_or(weight, c, A(1));
+    shift[k] = load_or(bias, c, A(0));
   }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += row_step) {
     const int64_t offset = r * channels + cu * V;
-    float x[V], dy[V], zv[V];
-    load_floats<V>(x, input + offset);
-    load_floats<V>(dy, grad_output + offset);
-    if (z != nullptr) load_floats<V>(zv, z + offset);
+    A x[V], dy[V], zv[V];
+    load_values<V>(x, input + offset);
+    load_values<V>(dy, grad_output + offset);
+    if (z != nullptr) load_values<V>(zv, z + offset);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      float y = (x[k] - m[k]) * scale[k] + shift[k];
+      A y = (x[k] - m[k]) * scale[k] + shift[k];
       if (z != nullptr) y += zv[k];
-      dy[k] = y > 0.0f ? dy[k] : 0.0f;
+      dy[k] = y > A(0) ? dy[k] : A(0);
     }
-    store_floats<V>(grad + offset, dy);
+    store_values<V>(grad + offset, dy);
   }
 }
 
@@ -495,6 +508,7 @@ at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Te
   dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
     using T = typename decltype(t)::type;
     using W = typename decltype(wt)::type;
+    using A = acc_t<T>;
     const T* x = static_cast<const T*>(input.const_data_ptr());
     const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
     const T* zp = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
@@ -504,7 +518,7 @@ at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Te
       const int64_t rows = numel / channels;
       const TileLaunch launch = channels_last_launch(channels / V, rows, 1);
       relu_backward_channels_last<T, W, V><<<launch.grid, launch.block, 0, stream>>>(
-          dy, x, zp, mean.const_data_ptr<float>(), invstd.const_data_ptr<float>(), optional_ptr<W>(weight),
+          dy, x, zp, mean.const_data_ptr<A>(), invstd.const_data_ptr<A>(), optional_ptr<W>(weight),
           optional_ptr<W>(bias), out, rows, channels);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

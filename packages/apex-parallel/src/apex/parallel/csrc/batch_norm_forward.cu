@@ -16,19 +16,19 @@
 namespace apex_parallel {
 namespace {
 
-template <typename T, typename W>
+template <typename T, typename W, typename A = acc_t<T>>
 struct ForwardParams {
   const T* input;
   const T* z;  // may be null (channels-last only)
-  const float* mean;
-  const float* invstd;
+  const A* mean;
+  const A* invstd;
   const W* weight;  // may be null
   const W* bias;    // may be null
   T* output;
   bool relu;
 };
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
     forward_channels_first(ForwardParams<T, W> p, int64_t channels, int64_t plane_units, int64_t units,
                            ChannelStep step) {
@@ -36,64 +36,64 @@ __global__ void __launch_bounds__(kThreads)
   int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   ChannelCursor cursor{(j / plane_units) % channels, j % plane_units};
   for (; j < units; j += kUnroll * stride) {
-    float x[kUnroll][V];
+    A x[kUnroll][V];
     int64_t c[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       c[u] = cursor.c;
-      if (j + u * stride < units) load_floats<V>(x[u], p.input + (j + u * stride) * V);
+      if (j + u * stride < units) load_values<V>(x[u], p.input + (j + u * stride) * V);
       cursor.advance(step, plane_units, channels);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * stride >= units) continue;
-      const float mean = p.mean[c[u]];
-      const float scale = p.invstd[c[u]] * load_or(p.weight, c[u], 1.0f);
-      const float shift = load_or(p.bias, c[u], 0.0f);
-      float y[V];
+      const A mean = p.mean[c[u]];
+      const A scale = p.invstd[c[u]] * load_or(p.weight, c[u], A(1));
+      const A shift = load_or(p.bias, c[u], A(0));
+      A y[V];
 #pragma unroll
       for (int k = 0; k < V; ++k) y[k] = (x[u][k] - mean) * scale + shift;
-      store_floats<V>(p.output + (j + u * stride) * V, y);
+      store_values<V>(p.output + (j + u * stride) * V, y);
     }
   }
 }
 
-template <typename T, typename W, int V>
+template <typename T, typename W, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) forward_channels_last(ForwardParams<T, W> p, int64_t rows,
                                                                   int64_t channels) {
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (cu * V >= channels) return;
-  float mean[V], scale[V], shift[V];
+  A mean[V], scale[V], shift[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
     const int64_t c = cu * V + k;
     mean[k] = p.mean[c];
-    scale[k] = p.invstd[c] * load_or(p.weight, c, 1.0f);
-    shift[k] = load_or(p.bias, c, 0.0f);
+    scale[k] = p.invstd[c] * load_or(p.weight, c, A(1));
+    shift[k] = load_or(p.bias, c, A(0));
   }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
-    float x[kUnroll][V];
-    float z[kUnroll][V];
+    A x[kUnroll][V];
+    A z[kUnroll][V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t offset = (r + u * row_step) * channels + cu * V;
       if (r + u * row_step < rows) {
-        load_floats<V>(x[u], p.input + offset);
-        if (p.z != nullptr) load_floats<V>(z[u], p.z + offset);
+        load_values<V>(x[u], p.input + offset);
+        if (p.z != nullptr) load_values<V>(z[u], p.z + offset);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step >= rows) continue;
-      float y[V];
+      A y[V];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        float v = (x[u][k] - mean[k]) * scale[k] + shift[k];
+        A v = (x[u][k] - mean[k]) * scale[k] + shift[k];
         if (p.z != nullptr) v += z[u][k];
-        y[k] = p.relu && v <= 0.0f ? 0.0f : v;
+        y[k] = p.relu && v <= A(0) ? A(0) : v;
       }
-      store_floats<V>(p.output + (r + u * row_step) * channels + cu * V, y);
+      store_values<V>(p.output + (r + u * row_step) * channels + cu * V, y);
     }
   }
 }
@@ -112,11 +112,12 @@ at::Tensor forward(const char* op, const at::Tensor& input, const std::optional<
   dispatch_input_weight(op, input.scalar_type(), weight, [&](auto t, auto wt) {
     using T = typename decltype(t)::type;
     using W = typename decltype(wt)::type;
+    using A = acc_t<T>;
     ForwardParams<T, W> p{};
     p.input = static_cast<const T*>(input.const_data_ptr());
     p.z = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
-    p.mean = mean.const_data_ptr<float>();
-    p.invstd = invstd.const_data_ptr<float>();
+    p.mean = mean.const_data_ptr<A>();
+    p.invstd = invstd.const_data_ptr<A>();
     p.weight = optional_ptr<W>(weight);
     p.bias = optional_ptr<W>(bias);
     p.output = static_cast<T*>(output.data_ptr());

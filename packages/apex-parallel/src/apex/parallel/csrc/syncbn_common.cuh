@@ -8,6 +8,9 @@
 // contiguous; a unit is V consecutive channels of one row (V divides C). Per-channel
 // reductions write one partial per (chunk, channel), [chunks, C], merged in chunk order by a
 // second kernel when there is more than one chunk: deterministic, no atomics.
+//
+// Precision. Statistics, sums and the arithmetic are float32 (A = float) for float32, float16 and
+// bfloat16 inputs, float64 (A = double) for float64 inputs: acc_t<T>.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -36,6 +39,15 @@
 
 namespace apex_parallel {
 
+// The type of the statistics and of the arithmetic for inputs of type T.
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// The dtype of the statistics of an input of dtype `input`.
+inline c10::ScalarType stat_dtype(c10::ScalarType input) {
+  return input == c10::kDouble ? c10::kDouble : c10::kFloat;
+}
+
 constexpr int kThreads = 256;
 // Units each thread loads before it uses any (memory-level parallelism).
 constexpr int kUnroll = 4;
@@ -54,8 +66,9 @@ inline std::string channels_shape(int64_t channels) { return "(" + std::to_strin
 
 // Returns the number of channels.
 inline int64_t input(const char* op, const at::Tensor& t, bool channel_last) {
-  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, t.scalar_type()), op, ": input has dtype ",
-                   torch_dtype(t.scalar_type()), "; expected one of float32, float16, bfloat16");
+  TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, t.scalar_type()) || t.scalar_type() == c10::kDouble,
+                   op, ": input has dtype ", torch_dtype(t.scalar_type()),
+                   "; expected one of float32, float16, bfloat16, float64");
   TORCH_CHECK_VALUE(t.dim() >= 2, op, ": input must have at least 2 dimensions, got shape ",
                     apex::checks::shape_string(t.sizes()));
   dense(op, "input", t, t.device());
@@ -71,10 +84,13 @@ inline void like_input(const char* op, const char* name, const at::Tensor& t, co
   dense(op, name, t, input.device());
 }
 
+// A per-channel statistic of an input of dtype `input_dtype` (float32, or float64 for float64).
 inline void channel_stat(const char* op, const char* name, const at::Tensor& t, int64_t channels,
-                         c10::Device device) {
-  TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": ", name, " has dtype ", torch_dtype(t.scalar_type()),
-                   "; expected torch.float32");
+                         c10::Device device, c10::ScalarType input_dtype) {
+  const c10::ScalarType expected = stat_dtype(input_dtype);
+  TORCH_CHECK_TYPE(t.scalar_type() == expected, op, ": ", name, " has dtype ", torch_dtype(t.scalar_type()),
+                   "; expected ", torch_dtype(expected),
+                   expected == c10::kDouble ? " (the input's statistics)" : "");
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == channels, op, ": ", name, " has shape ",
                     apex::checks::shape_string(t.sizes()), ", expected ", channels_shape(channels));
   dense(op, name, t, device);
@@ -103,8 +119,8 @@ inline void affine(const char* op, c10::ScalarType input_dtype, c10::Device devi
 }
 
 inline void count(const char* op, const at::Tensor& t, c10::Device device) {
-  TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": count has dtype ", torch_dtype(t.scalar_type()),
-                   "; expected torch.float32");
+  TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat || t.scalar_type() == c10::kDouble, op, ": count has dtype ",
+                   torch_dtype(t.scalar_type()), "; expected torch.float32 or torch.float64");
   TORCH_CHECK_VALUE(t.dim() == 1, op, ": count must be 1-D (one count per rank), got shape ",
                     apex::checks::shape_string(t.sizes()));
   placed(op, "count", t, device);
@@ -115,8 +131,8 @@ inline int64_t stats(const char* op, const at::Tensor& input_, const at::Tensor&
                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                      bool channel_last) {
   const int64_t channels = input(op, input_, channel_last);
-  channel_stat(op, "mean", mean, channels, input_.device());
-  channel_stat(op, "invstd", invstd, channels, input_.device());
+  channel_stat(op, "mean", mean, channels, input_.device(), input_.scalar_type());
+  channel_stat(op, "invstd", invstd, channels, input_.device(), input_.scalar_type());
   affine(op, input_.scalar_type(), input_.device(), weight, bias, channels);
   return channels;
 }
@@ -128,12 +144,19 @@ using apex::optional_tensor;
 
 // Dtype and vector-width dispatch -----------------------------------------------------------
 
+// Calls f(TypeTag<T>) for the input's dtype: apex's float types, and double.
+template <typename F>
+void dispatch_input(const char* op, c10::ScalarType input, F&& f) {
+  if (input == c10::kDouble) return f(apex::TypeTag<double>{});
+  apex::dispatch_float_types(input, op, "input", f);
+}
+
 // Calls f(TypeTag<T>, TypeTag<W>): T the input's type, W the weight's (float without a weight).
 template <typename F>
 void dispatch_input_weight(const char* op, c10::ScalarType input, const std::optional<at::Tensor>& weight, F&& f) {
   const at::Tensor* w = optional_tensor(weight);
   const bool float_weight = w == nullptr || w->scalar_type() == c10::kFloat;
-  apex::dispatch_float_types(input, op, "input", [&](auto tag) {
+  dispatch_input(op, input, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (float_weight || std::is_same_v<T, float>) {
       f(tag, apex::TypeTag<float>{});
@@ -168,12 +191,33 @@ void dispatch_vector(int v, F&& f) {
 
 // Vector access -----------------------------------------------------------------------------
 
-using apex::load_floats;
-using apex::store_floats;
+// N elements of T from p (aligned to N elements) as A (acc_t<T>), in one access; and back.
+template <int N, typename T, typename A>
+__device__ __forceinline__ void load_values(A (&dst)[N], const T* p) {
+  if constexpr (std::is_same_v<A, float>) {
+    apex::load_floats<N>(dst, p);
+  } else {
+    const auto v = apex::load_vector<T, N>(p);
+#pragma unroll
+    for (int j = 0; j < N; ++j) dst[j] = static_cast<A>(v.val[j]);
+  }
+}
 
-template <typename W>
-__device__ __forceinline__ float load_or(const W* p, int64_t i, float fallback) {
-  return p != nullptr ? static_cast<float>(p[i]) : fallback;
+template <int N, typename T, typename A>
+__device__ __forceinline__ void store_values(T* p, const A (&src)[N]) {
+  if constexpr (std::is_same_v<A, float>) {
+    apex::store_floats<N>(p, src);
+  } else {
+    apex::AlignedVector<T, N> v;
+#pragma unroll
+    for (int j = 0; j < N; ++j) v.val[j] = static_cast<T>(src[j]);
+    *reinterpret_cast<apex::AlignedVector<T, N>*>(p) = v;
+  }
+}
+
+template <typename W, typename A>
+__device__ __forceinline__ A load_or(const W* p, int64_t i, A fallback) {
+  return p != nullptr ? static_cast<A>(p[i]) : fallback;
 }
 
 // Walks over channels-first tensors ---------------------------------------------------------
@@ -231,24 +275,24 @@ struct ChannelCursor {
 
 // Merges `count` values (the valid ones of x) into w as one batch: its exact mean and sum of
 // squared deviations, then Chan's merge (one division per batch, not per element).
-template <int N>
-__device__ __forceinline__ void welford_batch(apex::Welford<float>& w, const float (&x)[N], const bool (&valid)[N]) {
-  float sum = 0.0f;
-  float count = 0.0f;
+template <int N, typename A>
+__device__ __forceinline__ void welford_batch(apex::Welford<A>& w, const A (&x)[N], const bool (&valid)[N]) {
+  A sum = A(0);
+  A count = A(0);
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     if (valid[i]) {
       sum += x[i];
-      count += 1.0f;
+      count += A(1);
     }
   }
-  if (count == 0.0f) return;
-  apex::Welford<float> batch{};
+  if (count == A(0)) return;
+  apex::Welford<A> batch{};
   batch.mean = sum / count;
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     if (valid[i]) {
-      const float d = x[i] - batch.mean;
+      const A d = x[i] - batch.mean;
       batch.m2 += d * d;
     }
   }
@@ -321,8 +365,9 @@ inline dim3 finalize_grid(int64_t channels) { return dim3(static_cast<unsigned>(
 inline dim3 finalize_block() { return dim3(apex::kWarpSize, kFinalizeLanes); }
 
 // Sums a 1-D (strided) count tensor over the block; every thread gets the sum.
-__device__ __forceinline__ float block_count(const float* count, int64_t n, int64_t stride, float* shared) {
-  float sum = 0.0f;
+template <typename A>
+__device__ __forceinline__ A block_count(const A* count, int64_t n, int64_t stride, A* shared) {
+  A sum = A(0);
   const int tid = threadIdx.x + threadIdx.y * blockDim.x;
   const int threads = blockDim.x * blockDim.y;
   for (int64_t i = tid; i < n; i += threads) sum += count[i * stride];
@@ -334,7 +379,7 @@ __device__ __forceinline__ float block_count(const float* count, int64_t n, int6
   sum = apex::warp_sum(sum);
   if (lane == 0) shared[warp] = sum;
   __syncthreads();
-  sum = lane < warps ? shared[lane] : 0.0f;
+  sum = lane < warps ? shared[lane] : A(0);
   return apex::warp_sum(sum);
 }
 

@@ -20,15 +20,18 @@
 namespace apex_parallel {
 namespace {
 
-using Welford = apex::Welford<float>;
+template <typename A>
+using Welford = apex::Welford<A>;
 
+template <typename A>
 struct WelfordOut {
-  float* mean;      // [C], or null when writing partials
-  float* var;       // [C]
-  Welford* partial;  // [chunks, C]
+  A* mean;              // [C], or null when writing partials
+  A* var;               // [C]
+  Welford<A>* partial;  // [chunks, C]
 };
 
-__device__ __forceinline__ void write_welford(const WelfordOut& out, const Welford& w, int64_t chunk, int64_t c,
+template <typename A>
+__device__ __forceinline__ void write_welford(const WelfordOut<A>& out, const Welford<A>& w, int64_t chunk, int64_t c,
                                               int64_t channels) {
   if (out.partial != nullptr) {
     out.partial[chunk * channels + c] = w;
@@ -38,31 +41,31 @@ __device__ __forceinline__ void write_welford(const WelfordOut& out, const Welfo
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) welford_channels_first(const T* __restrict__ input, int64_t channels,
                                                                    int64_t plane_units, int64_t units,
                                                                    int64_t per_chunk, PlaneStep step,
-                                                                   WelfordOut out) {
-  __shared__ Welford shared[apex::kWarpSize];
+                                                                   WelfordOut<A> out) {
+  __shared__ Welford<A> shared[apex::kWarpSize];
   const int64_t c = blockIdx.x;
   const int64_t chunk = blockIdx.y;
   const int64_t begin = chunk * per_chunk;
   const int64_t end = begin + per_chunk < units ? begin + per_chunk : units;
-  Welford w{};
+  Welford<A> w{};
   int64_t j = begin + threadIdx.x;
   PlaneCursor cursor{j / plane_units, j % plane_units};
   const int64_t plane = plane_units * V;
   for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
-    float x[kUnroll * V];
+    A x[kUnroll * V];
     bool valid[kUnroll * V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const bool ok = j + u * static_cast<int64_t>(blockDim.x) < end;
-      float v[V];
-      if (ok) load_floats<V>(v, input + (cursor.n * channels + c) * plane + cursor.l * V);
+      A v[V];
+      if (ok) load_values<V>(v, input + (cursor.n * channels + c) * plane + cursor.l * V);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        x[u * V + k] = ok ? v[k] : 0.0f;
+        x[u * V + k] = ok ? v[k] : A(0);
         valid[u * V + k] = ok;
       }
       cursor.advance(step, plane_units);
@@ -73,29 +76,29 @@ __global__ void __launch_bounds__(kThreads) welford_channels_first(const T* __re
   if (threadIdx.x == 0) write_welford(out, w, chunk, c, channels);
 }
 
-template <typename T, int V>
+template <typename T, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __restrict__ input, int64_t rows,
-                                                                  int64_t channels, WelfordOut out) {
-  __shared__ Welford shared[kThreads * V];
+                                                                  int64_t channels, WelfordOut<A> out) {
+  __shared__ Welford<A> shared[kThreads * V];
   const int64_t channel_units = channels / V;
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const bool active = cu < channel_units;
-  Welford w[V] = {};
+  Welford<A> w[V] = {};
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
        r += kUnroll * row_step) {
-    float x[kUnroll][V];
+    A x[kUnroll][V];
     bool ok[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       ok[u] = r + u * row_step < rows;
-      if (ok[u]) load_floats<V>(x[u], input + (r + u * row_step) * channels + cu * V);
+      if (ok[u]) load_values<V>(x[u], input + (r + u * row_step) * channels + cu * V);
     }
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      float column[kUnroll];
+      A column[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) column[u] = ok[u] ? x[u][k] : 0.0f;
+      for (int u = 0; u < kUnroll; ++u) column[u] = ok[u] ? x[u][k] : A(0);
       welford_batch(w[k], column, ok);
     }
   }
@@ -117,12 +120,13 @@ __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __res
   }
 }
 
+template <typename A>
 __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
-    welford_finalize(const Welford* __restrict__ partial, int64_t chunks, int64_t channels, float* __restrict__ mean,
-                     float* __restrict__ var) {
-  __shared__ Welford lanes[kFinalizeLanes][apex::kWarpSize + 1];
+    welford_finalize(const Welford<A>* __restrict__ partial, int64_t chunks, int64_t channels, A* __restrict__ mean,
+                     A* __restrict__ var) {
+  __shared__ Welford<A> lanes[kFinalizeLanes][apex::kWarpSize + 1];
   const int64_t c = blockIdx.x * static_cast<int64_t>(apex::kWarpSize) + threadIdx.x;
-  Welford w{};
+  Welford<A> w{};
   if (c < channels) {
     for (int64_t k = threadIdx.y; k < chunks; k += kFinalizeLanes) w = apex::welford_merge(w, partial[k * channels + c]);
   }
@@ -143,16 +147,17 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
 std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& input, bool channel_last) {
   const int64_t channels = checks::input(op, input, channel_last);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  const auto f32 = input.options().dtype(at::kFloat);
+  const auto stats = input.options().dtype(stat_dtype(input.scalar_type()));
   const int64_t numel = input.numel();
-  if (numel == 0) return {at::zeros({channels}, f32), at::zeros({channels}, f32)};
-  at::Tensor mean = at::empty({channels}, f32);
-  at::Tensor var = at::empty({channels}, f32);
+  if (numel == 0) return {at::zeros({channels}, stats), at::zeros({channels}, stats)};
+  at::Tensor mean = at::empty({channels}, stats);
+  at::Tensor var = at::empty({channels}, stats);
   const auto stream = at::cuda::getCurrentCUDAStream();
   const int64_t per_channel = numel / channels;
   at::Tensor partial;
-  apex::dispatch_float_types(input.scalar_type(), op, "input", [&](auto tag) {
+  dispatch_input(op, input.scalar_type(), [&](auto tag) {
     using T = typename decltype(tag)::type;
+    using A = acc_t<T>;
     const T* x = static_cast<const T*>(input.const_data_ptr());
     if (!channel_last) {
       const int64_t plane = per_channel / input.size(0);
@@ -162,17 +167,17 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         const int64_t units = input.size(0) * plane_units;
         const int64_t chunks = chunks_for(channels, units, static_cast<int64_t>(kThreads) * kUnroll);
         const int64_t per_chunk = ceil_div(units, chunks);
-        WelfordOut out{mean.data_ptr<float>(), var.data_ptr<float>(), nullptr};
+        WelfordOut<A> out{mean.data_ptr<A>(), var.data_ptr<A>(), nullptr};
         if (chunks > 1) {
-          partial = at::empty({chunks * channels * 3}, f32);
-          out.partial = reinterpret_cast<Welford*>(partial.data_ptr<float>());
+          partial = at::empty({chunks * channels * 3}, stats);
+          out.partial = reinterpret_cast<Welford<A>*>(partial.data_ptr<A>());
         }
         const dim3 grid(static_cast<unsigned>(channels), static_cast<unsigned>(chunks));
         welford_channels_first<T, V><<<grid, kThreads, 0, stream>>>(x, channels, plane_units, units, per_chunk,
                                                                     plane_step(kThreads, plane_units), out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
-          welford_finalize<<<finalize_grid(channels), finalize_block(), 0, stream>>>(
+          welford_finalize<A><<<finalize_grid(channels), finalize_block(), 0, stream>>>(
               out.partial, chunks, channels, out.mean, out.var);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -185,17 +190,17 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         const int64_t tiles = ceil_div(channels / V, tile.bx);
         const int64_t chunks = std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll),
                                                  65535);
-        WelfordOut out{mean.data_ptr<float>(), var.data_ptr<float>(), nullptr};
+        WelfordOut<A> out{mean.data_ptr<A>(), var.data_ptr<A>(), nullptr};
         if (chunks > 1) {
-          partial = at::empty({chunks * channels * 3}, f32);
-          out.partial = reinterpret_cast<Welford*>(partial.data_ptr<float>());
+          partial = at::empty({chunks * channels * 3}, stats);
+          out.partial = reinterpret_cast<Welford<A>*>(partial.data_ptr<A>());
         }
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
         const dim3 block(tile.bx, tile.by);
         welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
-          welford_finalize<<<finalize_grid(channels), finalize_block(), 0, stream>>>(
+          welford_finalize<A><<<finalize_grid(channels), finalize_block(), 0, stream>>>(
               out.partial, chunks, channels, out.mean, out.var);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
@@ -215,28 +220,27 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_c_last_cuda(const at::Tensor
 
 // welford_parallel ---------------------------------------------------------------------------
 
-template <typename R>
-__global__ void welford_parallel_kernel(const float* __restrict__ mean, int64_t mean_stride,
-                                        const float* __restrict__ var, int64_t var_stride,
-                                        const float* __restrict__ count, int64_t count_stride, int64_t ranks,
-                                        int64_t channels, float eps, R* running_mean, R* running_var, float momentum,
-                                        float* __restrict__ merged_mean, float* __restrict__ invstd) {
+template <typename A, typename R>
+__global__ void welford_parallel_kernel(const A* __restrict__ mean, int64_t mean_stride, const A* __restrict__ var,
+                                        int64_t var_stride, const A* __restrict__ count, int64_t count_stride,
+                                        int64_t ranks, int64_t channels, A eps, R* running_mean, R* running_var,
+                                        A momentum, A* __restrict__ merged_mean, A* __restrict__ invstd) {
   const int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (c >= channels) return;
-  Welford w{};
+  Welford<A> w{};
   for (int64_t r = 0; r < ranks; ++r) {
-    Welford rank{};
+    Welford<A> rank{};
     rank.count = count[r * count_stride];
     rank.mean = mean[r * mean_stride + c];
     rank.m2 = var[r * var_stride + c] * rank.count;
     w = apex::welford_merge(w, rank);
   }
   merged_mean[c] = w.mean;
-  invstd[c] = 1.0f / sqrtf(w.variance(false) + eps);
+  invstd[c] = A(1) / sqrt(w.variance(false) + eps);
   if (running_mean != nullptr) {
-    const float unbiased = w.m2 / (w.count - 1.0f);
-    running_mean[c] = static_cast<R>(static_cast<float>(running_mean[c]) * (1.0f - momentum) + w.mean * momentum);
-    running_var[c] = static_cast<R>(static_cast<float>(running_var[c]) * (1.0f - momentum) + unbiased * momentum);
+    const A unbiased = w.m2 / (w.count - A(1));
+    running_mean[c] = static_cast<R>(static_cast<A>(running_mean[c]) * (A(1) - momentum) + w.mean * momentum);
+    running_var[c] = static_cast<R>(static_cast<A>(running_var[c]) * (A(1) - momentum) + unbiased * momentum);
   }
 }
 
@@ -246,10 +250,12 @@ std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean,
                                                          const std::optional<at::Tensor>& running_var,
                                                          double momentum) {
   const char* op = "welford_parallel";
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"mean", mean}, {"var_biased", var_biased}}) {
-    TORCH_CHECK_TYPE(t.scalar_type() == c10::kFloat, op, ": ", name, " has dtype ",
-                     checks::torch_dtype(t.scalar_type()), "; expected torch.float32");
-  }
+  TORCH_CHECK_TYPE(mean.scalar_type() == c10::kFloat || mean.scalar_type() == c10::kDouble, op,
+                   ": mean has dtype ", checks::torch_dtype(mean.scalar_type()),
+                   "; expected torch.float32 or torch.float64");
+  TORCH_CHECK_TYPE(var_biased.scalar_type() == mean.scalar_type(), op, ": var_biased has dtype ",
+                   checks::torch_dtype(var_biased.scalar_type()), " but mean has ",
+                   checks::torch_dtype(mean.scalar_type()));
   TORCH_CHECK_VALUE(mean.dim() == 2, op, ": mean must be 2-D (ranks, channels), got shape ",
                     apex::checks::shape_string(mean.sizes()));
   TORCH_CHECK_VALUE(var_biased.sizes().equals(mean.sizes()), op, ": var_biased has shape ",
@@ -270,9 +276,10 @@ std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean,
   const at::Tensor* rv = optional_tensor(running_var);
   TORCH_CHECK_VALUE((rm == nullptr) == (rv == nullptr), op, ": running_mean and running_var must be given together");
   if (rm != nullptr) {
-    TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, rm->scalar_type()), op,
-                     ": running_mean has dtype ", checks::torch_dtype(rm->scalar_type()),
-                     "; expected one of float32, float16, bfloat16");
+    TORCH_CHECK_TYPE(apex::checks::contains(apex::checks::kFloatDtypes, rm->scalar_type()) ||
+                         rm->scalar_type() == c10::kDouble,
+                     op, ": running_mean has dtype ", checks::torch_dtype(rm->scalar_type()),
+                     "; expected one of float32, float16, bfloat16, float64");
     TORCH_CHECK_TYPE(rv->scalar_type() == rm->scalar_type(), op, ": running_var has dtype ",
                      checks::torch_dtype(rv->scalar_type()), " but running_mean has ",
                      checks::torch_dtype(rm->scalar_type()));
@@ -284,22 +291,32 @@ std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean,
   }
 
   const c10::cuda::CUDAGuard device_guard(device);
-  const auto f32 = mean.options().dtype(at::kFloat);
-  at::Tensor merged = at::empty({channels}, f32);
-  at::Tensor invstd = at::empty({channels}, f32);
+  const auto stats = mean.options().dtype(mean.scalar_type());
+  at::Tensor merged = at::empty({channels}, stats);
+  at::Tensor invstd = at::empty({channels}, stats);
   if (channels == 0) return {merged, invstd};
+  // the counts in the statistics' dtype (a float32 count with float64 statistics, or the reverse)
+  const at::Tensor counts = count.scalar_type() == mean.scalar_type() ? count : count.to(mean.scalar_type());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  const auto running_dtype = rm != nullptr ? rm->scalar_type() : c10::kFloat;
-  apex::dispatch_float_types(running_dtype, op, "running_mean", [&](auto tag) {
-    using R = typename decltype(tag)::type;
-    welford_parallel_kernel<R><<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
-        mean.const_data_ptr<float>(), mean.stride(0), var_biased.const_data_ptr<float>(), var_biased.stride(0),
-        count.const_data_ptr<float>(), count.stride(0), ranks, channels, static_cast<float>(eps),
-        rm != nullptr ? static_cast<R*>(rm->data_ptr()) : nullptr,
-        rv != nullptr ? static_cast<R*>(rv->data_ptr()) : nullptr, static_cast<float>(momentum),
-        merged.data_ptr<float>(), invstd.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  const auto running_dtype = rm != nullptr ? rm->scalar_type() : mean.scalar_type();
+  auto launch = [&](auto stat_tag) {
+    using A = typename decltype(stat_tag)::type;
+    dispatch_input(op, running_dtype, [&](auto tag) {
+      using R = typename decltype(tag)::type;
+      welford_parallel_kernel<A, R><<<static_cast<unsigned>(ceil_div(channels, kThreads)), kThreads, 0, stream>>>(
+          mean.const_data_ptr<A>(), mean.stride(0), var_biased.const_data_ptr<A>(), var_biased.stride(0),
+          counts.const_data_ptr<A>(), counts.stride(0), ranks, channels, static_cast<A>(eps),
+          rm != nullptr ? static_cast<R*>(rm->data_ptr()) : nullptr,
+          rv != nullptr ? static_cast<R*>(rv->data_ptr()) : nullptr, static_cast<A>(momentum), merged.data_ptr<A>(),
+          invstd.data_ptr<A>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  };
+  if (mean.scalar_type() == c10::kDouble) {
+    launch(apex::TypeTag<double>{});
+  } else {
+    launch(apex::TypeTag<float>{});
+  }
   return {merged, invstd};
 }
 
