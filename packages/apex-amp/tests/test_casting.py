@@ -1,5 +1,10 @@
 """Each opt level's casts: parameters, buffers, activations, outputs, gradients and masters; the
-input/output casts; state_dict of a cast model; O1's function registry and disable_casts."""
+input/output casts; state_dict of a cast model; O1's function registry and disable_casts through
+amp.initialize (amp.init itself: test_amp_init.py).
+
+O1 casts CUDA tensors only, as upstream; the O1 tests here widen ``apex.amp.amp.CAST_DEVICE_TYPES``
+to the test's device (the ``o1_casts_on`` fixture) so that they check the same casts on the CPU.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,16 @@ from apex import amp
 FP32 = torch.float32
 
 
+@pytest.fixture
+def o1_casts_on(monkeypatch):
+    """O1 casts tensors of ``device`` too (by default only CUDA tensors, as upstream)."""
+
+    def on(device) -> None:
+        monkeypatch.setattr(amp.amp, "CAST_DEVICE_TYPES", ("cuda", torch.device(device).type))
+
+    return on
+
+
 def expected_dtypes(level: str, half: torch.dtype) -> dict:
     """What each opt level's documentation says the tensors are."""
     if level == "O0":
@@ -28,7 +43,8 @@ def expected_dtypes(level: str, half: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("level", ["O0", "O1", "O2", "O3"])
-def test_opt_level_dtypes(level, half, device, make_net, level_kwargs):
+def test_opt_level_dtypes(level, half, device, make_net, level_kwargs, o1_casts_on):
+    o1_casts_on(device)
     net = make_net(device)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net, opt = amp.initialize(net, opt, opt_level=level, verbosity=0, **level_kwargs(level, half))
@@ -39,16 +55,18 @@ def test_opt_level_dtypes(level, half, device, make_net, level_kwargs):
     assert net.bn.num_batches_tracked.dtype == torch.int64
     assert net.offset.dtype == want["buffer"]
 
-    # Autocast (O1) leaves float64 alone; the other levels cast every floating input.
-    x = torch.randn(6, 8, device=device, dtype=FP32 if level == "O1" else torch.float64)
+    # O0/O2/O3 cast the model's floating inputs; O1 casts inside the functions (float64 too).
+    x = torch.randn(6, 8, device=device, dtype=torch.float64)
     out = net(x)
     assert net.seen["fc1"] == want["activation"] and net.seen["fc2"] == want["activation"]
-    assert out.dtype == FP32  # floating outputs come back fp32 wherever amp casts
-    expected_input = {"O0": FP32, "O1": FP32, "O2": half, "O3": half}[level]
+    # Outputs come back fp32 where the model is cast; O1 leaves them as computed, as upstream.
+    assert out.dtype == (half if level == "O1" else FP32)
+    expected_input = {"O0": FP32, "O1": torch.float64, "O2": half, "O3": half}[level]
     assert net.seen["input"] == expected_input
-    assert not torch.is_autocast_enabled(x.device.type)  # O1's autocast ends with the forward
 
-    with amp.scale_loss(out.square().mean(), opt) as scaled:
+    # The loss in fp32, as from a loss function (O1 keeps losses fp32): a scaled fp16 loss's own
+    # gradient (2**16) would overflow fp16 and skip the step.
+    with amp.scale_loss(out.float().square().mean(), opt) as scaled:
         scaled.backward()
     for p in net.parameters():
         expected = want["bn"] if p is net.bn.weight or p is net.bn.bias else want["model_grad"]
@@ -111,7 +129,8 @@ def test_inputs_and_outputs_are_cast_through_containers(half, device):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_cast_model_outputs(level, device, make_net, level_kwargs):
+def test_cast_model_outputs(level, device, make_net, level_kwargs, o1_casts_on):
+    o1_casts_on(device)
     net = make_net(device)
     amp.initialize(
         net, opt_level=level, cast_model_outputs=torch.bfloat16, verbosity=0, **level_kwargs(level, torch.bfloat16)
@@ -150,7 +169,9 @@ def test_state_dict_of_a_cast_model(level, half, device, make_net):
         assert torch.equal(master.to(model.dtype), model)
 
 
-# --- O1: functions -------------------------------------------------------------------------
+# --- O1: functions ---------------------------------------------------------------------------
+# Before amp.init existed, O1 cast only inside a model's forward (torch.autocast), and registered
+# or decorated functions acted only there: the calls outside any forward below returned fp32.
 
 
 def _dtype_of(x, y=None):
@@ -167,41 +188,24 @@ def _namespace():
     return ns
 
 
-class Caller(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.fn = fn
-
-    def forward(self, x):
-        h = self.lin(x)
-        return h, self.fn(h, x)
-
-
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_registered_functions(half, device):
+def test_registered_functions(half, device, make_net, o1_casts_on):
+    o1_casts_on(device)
     ns = _namespace()
     amp.register_half_function(ns, "as_half")
     amp.register_float_function(ns, "as_float")
     amp.register_float_function(ns, "matmul_inside")
     amp.register_promote_function(ns, "promoted")
-
-    def body(h, x):
-        return dict(
-            half=ns.as_half(x),
-            float=ns.as_float(h),
-            promote=ns.promoted(h, x),
-            untouched=ns.untouched(x),
-            matmul_in_float=ns.matmul_inside(x),
-        )
-
-    net = Caller(body).to(device)
-    amp.initialize(net, opt_level="O1", autocast_dtype=half, verbosity=0)
-    _, seen = net(torch.randn(2, 4, device=device))
-    assert seen == dict(half=half, float=FP32, promote=(FP32, FP32), untouched=FP32, matmul_in_float=FP32)
-    # Outside a forward (no autocast) the wrappers do nothing.
-    x = torch.randn(2, 4, device=device, dtype=half)
-    assert ns.as_float(x) == half and ns.promoted(x, x.float()) == (half, FP32)
+    amp.initialize(make_net(device), opt_level="O1", autocast_dtype=half, verbosity=0)
+    x = torch.randn(2, 4, device=device)
+    h = x.to(half)
+    # Everywhere, not only inside a model's forward.
+    assert ns.as_half(x) == half and ns.as_float(h) == FP32 and ns.untouched(x) == FP32
+    assert ns.promoted(h, x) == (FP32, FP32) and ns.promoted(h, h) == (half, half)
+    # A float function's inputs are cast; the functions it calls still cast by their lists.
+    assert ns.matmul_inside(h) == half
+    with amp.disable_casts():
+        assert ns.as_half(x) == FP32 and ns.promoted(h, x) == (half, FP32)
 
 
 def test_register_missing_function_raises():
@@ -211,67 +215,83 @@ def test_register_missing_function_raises():
         amp.register_promote_function(torch, "nope")
 
 
-def test_registration_before_other_levels_waits_for_o1(device):
+def test_registration_before_other_levels_waits_for_o1(device, make_net):
     ns = _namespace()
     amp.register_float_function(ns, "as_float")
-    amp.initialize(Caller(lambda h, x: None).to(device), opt_level="O2", verbosity=0)
+    amp.initialize(make_net(device), opt_level="O2", verbosity=0)
     assert ns.as_float is _dtype_of  # not applied at O2 ...
-    amp.initialize(Caller(lambda h, x: None).to(device), opt_level="O1", verbosity=0)
+    amp.initialize(make_net(device), opt_level="O1", verbosity=0)
     assert ns.as_float is not _dtype_of  # ... but by the next O1 initialize
+    amp._amp_state.handle._deactivate()
+    assert ns.as_float is _dtype_of  # and undone with the handle
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_decorators(half, device):
+def test_decorators(half, device, make_net, o1_casts_on):
     @amp.half_function
     def to_half(x):
         return x.dtype
 
     @amp.float_function
     def to_float(x):
-        return (x @ x.t()).dtype
+        return x.dtype
 
     @amp.promote_function
     def promote(x, y):
         return x.dtype, y.dtype
 
-    net = Caller(lambda h, x: (to_half(x), to_float(h), promote(h, x))).to(device)
-    amp.initialize(net, opt_level="O1", autocast_dtype=half, verbosity=0)
-    _, seen = net(torch.randn(2, 4, device=device))
-    assert seen == (half, FP32, (FP32, FP32))
-    assert to_half(torch.randn(2, device=device)) == FP32  # no casts outside O1's forward
+    x = torch.randn(2, 4, device=device)
+    h = x.to(half)
+    assert (to_half(x), to_float(h), promote(h, x)) == (FP32, half, (half, FP32))  # no amp.init yet
+    o1_casts_on(device)
+    amp.initialize(make_net(device), opt_level="O1", autocast_dtype=half, verbosity=0)
+    assert (to_half(x), to_float(h), promote(h, x)) == (half, FP32, (FP32, FP32))
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_disable_casts(half, device):
-    def body(h, x):
-        with amp.disable_casts():
-            inside = (x @ x.t()).dtype
-        return inside, (x @ x.t()).dtype
-
-    net = Caller(body).to(device)
-    amp.initialize(net, opt_level="O1", autocast_dtype=half, verbosity=0)
-    h, (inside, after) = net(torch.randn(2, 4, device=device))
-    assert (h.dtype, inside, after) == (FP32, FP32, half)  # h is an output: cast back to fp32
-    with amp.disable_casts():
-        h, _ = net(torch.randn(2, 4, device=device))
-    assert net.lin(torch.randn(2, 4, device=device)).dtype == FP32
-
-
-def test_o1_autocast_ends_when_forward_raises(device):
-    def body(h, x):
-        raise ValueError("boom")
-
-    net = Caller(body).to(device)
-    amp.initialize(net, opt_level="O1", autocast_dtype=torch.bfloat16, verbosity=0)
-    with pytest.raises(ValueError, match="boom"):
-        net(torch.randn(2, 4, device=device))
-    assert not torch.is_autocast_enabled(torch.device(device).type)
-
-
-def test_reinitialize_replaces_casts(device, make_net):
+def test_disable_casts(half, device, make_net, o1_casts_on):
+    o1_casts_on(device)
     net = make_net(device)
-    amp.initialize(net, opt_level="O1", autocast_dtype=torch.bfloat16, verbosity=0)
-    amp.initialize(net, opt_level="O1", autocast_dtype=torch.float16, verbosity=0)
-    net(torch.randn(4, 8, device=device))
-    assert net.seen["fc1"] == torch.float16
+    amp.initialize(net, opt_level="O1", autocast_dtype=half, verbosity=0)
+    x = torch.randn(6, 8, device=device)
+    with amp.disable_casts():
+        assert net(x).dtype == FP32 and net.seen["fc1"] == FP32
+        with amp.disable_casts():  # nests
+            pass
+        assert net.fc1(x).dtype == FP32
+    assert net(x).dtype == half and net.seen["fc1"] == half
+
+
+def test_o1_steps_without_casts(device, make_net, o1_casts_on):
+    o1_casts_on(device)
+    net = make_net(device)
+    seen = []
+
+    class Recording(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(amp._amp_state.handle.is_active())
+            return super().step(closure)
+
+    opt = Recording(net.parameters(), lr=0.1)
+    net, opt = amp.initialize(net, opt, opt_level="O1", autocast_dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(6, 8, device=device)
+    with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert seen == [False] and amp._amp_state.handle.is_active()
+
+
+def test_reinitialize_replaces_casts(device, make_net, o1_casts_on):
+    o1_casts_on(device)
+    net = make_net(device)
+    amp.initialize(net, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0)
     assert len(net._forward_pre_hooks) == 1 and len(net._forward_hooks) == 1
+    net.float()
+    amp.initialize(net, opt_level="O1", autocast_dtype=torch.bfloat16, verbosity=0)
+    first = amp._amp_state.handle
+    amp.initialize(net, opt_level="O1", autocast_dtype=torch.float16, verbosity=0)
+    assert not first.is_active() and amp._amp_state.handle is not first
+    net(torch.randn(4, 8, device=device))
+    assert net.seen["input"] == FP32 and net.seen["fc1"] == torch.float16
+    # O1 casts inside the functions: the O2 model casts are gone.
+    assert len(net._forward_pre_hooks) == 0 and len(net._forward_hooks) == 0

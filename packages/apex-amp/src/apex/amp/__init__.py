@@ -11,26 +11,32 @@ multi-tensor ops), fp32 master weights, bf16 as well as fp16, and checkpoints th
 """
 
 from apex.amp._amp_state import _amp_state, master_params
-from apex.amp.casting import (
-    disable_casts,
+from apex.amp.amp import (
+    AmpHandle,
+    NoOpHandle,
     float_function,
     half_function,
+    init,
     promote_function,
     register_float_function,
     register_half_function,
     register_promote_function,
 )
+from apex.amp.casting import disable_casts
 from apex.amp.checkpoint import load_state_dict, state_dict
 from apex.amp.frontend import initialize
 from apex.amp.handle import scale_loss
 from apex.amp.scaler import LossScaler
 
 __all__ = [
+    "AmpHandle",
     "LossScaler",
+    "NoOpHandle",
     "_amp_state",
     "disable_casts",
     "float_function",
     "half_function",
+    "init",
     "initialize",
     "load_state_dict",
     "master_params",

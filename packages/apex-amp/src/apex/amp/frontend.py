@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 
 from apex.amp import casting
 from apex.amp._amp_state import _amp_state, maybe_print, warn_or_err
+from apex.amp.amp import init as amp_init
 from apex.amp.checkpoint import attach_model_hooks
 from apex.amp.opt_levels import Properties, opt_levels
 from apex.amp.optimizer_state import process_optimizer
@@ -43,8 +45,10 @@ def initialize(
     Levels (``opt_level``, the letter O and a digit):
 
     * ``"O0"``: fp32 throughout (inputs cast to fp32), no loss scaling. The accuracy baseline.
-    * ``"O1"``: weights stay fp32; each model's forward runs under ``torch.autocast`` (fp16, or
-      ``autocast_dtype``), floating outputs return as fp32; dynamic loss scaling.
+    * ``"O1"``: weights stay fp32; :func:`apex.amp.init` patches torch's functions by upstream's
+      lists, process-wide, so that matmuls and convolutions run in fp16 (or ``autocast_dtype``)
+      and softmax, reductions and losses in fp32, on CUDA tensors; each optimizer's ``step`` runs
+      without these casts; dynamic loss scaling.
     * ``"O2"``: the model is cast to fp16 (``cast_model_type``) except batch norm, floating inputs
       are cast on the way in and outputs to fp32 on the way out; fp32 master weights; dynamic
       loss scaling.
@@ -61,11 +65,11 @@ def initialize(
         enabled: False makes this and ``amp.scale_loss`` do nothing.
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"``.
         cast_model_type: the dtype the model is cast to (O0/O2/O3).
-        patch_torch_functions: run forwards under autocast (O1 only).
+        patch_torch_functions: cast around torch's functions with :func:`apex.amp.init` (O1 only).
         keep_batchnorm_fp32: keep batch-norm layers in fp32 when casting the model.
         master_weights: keep fp32 master weights for the optimizers.
         loss_scale: a number (static) or ``"dynamic"``.
-        cast_model_outputs: the dtype floating outputs are cast to (default fp32 wherever amp casts).
+        cast_model_outputs: the dtype floating outputs are cast to (default: fp32 at O2/O3, none at O1).
         num_losses: how many losses get their own loss scaler (``loss_id`` in ``amp.scale_loss``).
         verbosity: 0 silent, 1 the chosen options and skipped steps, 2 more.
         min_loss_scale: lower clamp of a dynamic scale (None: none).
@@ -158,6 +162,20 @@ def _check_optimizers(optimizers) -> None:
             )
 
 
+def _step_without_casts(optimizer) -> None:
+    step = optimizer.step
+
+    def step_without_casts(self, *args, **kwargs):
+        with casting.disable_casts():
+            result = step(*args, **kwargs)
+        handle = getattr(_amp_state, "handle", None)
+        if handle is not None:
+            handle._clear_cache()  # the parameters changed: their cached casts are stale
+        return result
+
+    optimizer.step = types.MethodType(step_without_casts, optimizer)
+
+
 def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, hysteresis):
     optimizers_was_list = False
     if isinstance(optimizers, torch.optim.Optimizer):
@@ -194,11 +212,10 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
                 model.to(cast_type)
             output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
             casting.ModelCasts(input_dtype=cast_type, output_dtype=output_dtype).attach(model)
-        elif properties.patch_torch_functions:
-            output_dtype = cast_model_outputs if cast_model_outputs is not None else torch.float32
-            casting.ModelCasts(None, output_dtype, autocast_dtype=properties.autocast_dtype).attach(model)
         elif cast_model_outputs is not None:
             casting.ModelCasts(None, cast_model_outputs).attach(model)
+        else:
+            casting.detach_from(model)  # an earlier initialize's casts
         attach_model_hooks(model, cast_type)
 
     for i, optimizer in enumerate(optimizers):
@@ -214,7 +231,12 @@ def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, 
         for _ in range(num_losses)
     ]
     if properties.patch_torch_functions:
-        casting.apply_registered_functions()
+        # O1: upstream's function casts for the whole process (amp.init); each optimizer steps
+        # without them, and its step ends the iteration of the cast cache.
+        half = properties.autocast_dtype or torch.float16
+        amp_init(loss_scale=properties.loss_scale, verbose=_amp_state.verbosity == 2, dtype=half)
+        for optimizer in optimizers:
+            _step_without_casts(optimizer)
 
     if optimizers_was_list:
         return (models if models_was_list else models[0]), optimizers

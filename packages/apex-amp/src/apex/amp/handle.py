@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -29,6 +30,22 @@ def _stashes(optimizers) -> list[AmpOptimizerState]:
     return stashes
 
 
+def _clears_cast_cache(scale_loss_cm):
+    """On leaving the block normally, drop amp.init's cached parameter casts: their iteration is over."""
+
+    @functools.wraps(scale_loss_cm)
+    @contextlib.contextmanager
+    def wrapper(*args, **kwargs):
+        with scale_loss_cm(*args, **kwargs) as scaled:
+            yield scaled
+        handle = getattr(_amp_state, "handle", None)
+        if handle is not None:
+            handle._clear_cache()
+
+    return wrapper
+
+
+@_clears_cast_cache
 @contextlib.contextmanager
 def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, delay_overflow_check=False):
     """Yield ``loss`` (as fp32) times the loss scale of ``loss_id``; call ``.backward()`` on it inside the block.
