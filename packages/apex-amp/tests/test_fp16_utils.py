@@ -36,9 +36,11 @@ def test_convert_network_keeps_batchnorm(dtype, device):
     out = convert_network(net, dtype)
     assert out is net
     assert net[0].weight.dtype == dtype and net[0].weight.grad.dtype == dtype and net[3].bias.dtype == dtype
-    for bn in (net[1], net[4]):
-        assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    # As upstream: the affine batch norm stays float32, the one without weights is cast.
+    assert net[1].running_mean.dtype == torch.float32 and net[1].running_var.dtype == torch.float32
+    assert net[4].running_mean.dtype == dtype and net[4].running_var.dtype == dtype
     assert net[1].weight.dtype == torch.float32
+    assert net[1].num_batches_tracked.dtype == net[4].num_batches_tracked.dtype == torch.int64
     y = net(torch.randn(5, 6, device=device, dtype=dtype))
     assert y.dtype == dtype
 

@@ -6,6 +6,7 @@ prepared. ``amp.scale_loss``, ``amp.state_dict`` and ``amp.load_state_dict`` rea
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -48,6 +49,18 @@ def maybe_print(msg: str, rank0: bool = False, level: int = 1) -> None:
     """Print when ``verbosity >= level`` (and, with ``rank0``, only on rank 0 of a process group)."""
     if _amp_state.verbosity >= level and (not rank0 or _is_rank0()):
         print(msg)
+
+
+def is_optimizer(obj) -> bool:
+    """A ``torch.optim.Optimizer``, or apex.parallel's ``LARC`` wrapper around one.
+
+    apex-parallel is optional: a LARC instance implies its module is already imported.
+    """
+    if isinstance(obj, torch.optim.Optimizer):
+        return True
+    module = sys.modules.get("apex.parallel.LARC")
+    larc = getattr(module, "LARC", None)
+    return larc is not None and isinstance(obj, larc)
 
 
 def master_params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:

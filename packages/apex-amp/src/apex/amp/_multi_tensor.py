@@ -3,8 +3,8 @@
 The op takes one device and one dtype per list and dense contiguous tensors; amp's gradient lists
 can mix all three (fp16 weights with fp32 batchnorm, a model split over GPUs, a channels-last
 weight). Tensors are grouped into one op call per (device, input dtype, output dtype); the rare
-non-contiguous tensor goes through plain PyTorch with the same semantics. Nothing here reads a
-value on the host.
+non-contiguous tensor, and the sparse COO gradient (unscaled in place, as torch.amp.GradScaler
+does), go through plain PyTorch with the same semantics. Nothing here reads a value on the host.
 """
 
 from __future__ import annotations
@@ -29,11 +29,13 @@ def scale_into(
 
     ``scale_on(device)`` gives the one-element fp32 scale on that device (None for 1.0),
     ``flag_on(device)`` the one-element int32 overflow flag there. Output and input may be the
-    same tensor.
+    same tensor; a sparse COO input must be coalesced and its own output.
     """
     groups: dict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
     for x, out in zip(inputs, outputs):
-        if x.is_contiguous() and out.is_contiguous():
+        if x.is_sparse:
+            _scale_sparse(x, out, scale_on(x.device), flag_on(x.device))
+        elif x.is_contiguous() and out.is_contiguous():
             ins, outs = groups[(x.device, x.dtype, out.dtype)]
             ins.append(x)
             outs.append(out)
@@ -51,6 +53,16 @@ def _scale_one(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None, f
     upcast = x.float()
     flag.masked_fill_(~torch.isfinite(upcast).all().reshape(flag.shape), 1)
     out.copy_(upcast if scale is None else upcast * scale.reshape(()))
+
+
+def _scale_sparse(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None, flag: torch.Tensor) -> None:
+    if out is not x or not x.is_coalesced():
+        raise ValueError("a sparse gradient is unscaled in place and must be coalesced")
+    values = x.values()  # a view of a coalesced tensor's values
+    upcast = values.float()
+    flag.masked_fill_(~torch.isfinite(upcast).all().reshape(flag.shape), 1)
+    if scale is not None:
+        values.copy_(upcast * scale.reshape(()))
 
 
 def copy_into(sources: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> None:

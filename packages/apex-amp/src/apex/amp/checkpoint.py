@@ -25,10 +25,12 @@ Upstream's workflow resumes bitwise::
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 
 import torch
 
 from apex.amp._amp_state import _amp_state, maybe_print
+from apex.amp.scaler import LossScaler
 
 MASTERS_KEY = "amp_master_params"
 
@@ -46,7 +48,24 @@ def state_dict(destination: dict | None = None) -> dict:
 
 
 def load_state_dict(state_dict: dict) -> None:
-    """Restore the loss scalers from :func:`state_dict`'s output (call after ``amp.initialize``)."""
+    """Restore the loss scalers from :func:`state_dict`'s output (call after ``amp.initialize``).
+
+    Every entry is checked before any is loaded: a missing ``loss_scale``, or one that is not a
+    positive finite number (a NaN scale would skip every later step), raises and loads nothing.
+    """
+    properties = _amp_state.opt_properties
+    if properties is None:
+        raise RuntimeError(
+            "amp.load_state_dict was called before amp.initialize: there are no loss scalers to load into. "
+            "Call amp.initialize(models, optimizers, ...) first, then amp.load_state_dict(checkpoint['amp'])."
+        )
+    if not properties.enabled:
+        maybe_print("amp.load_state_dict: amp was initialized with enabled=False; nothing to load")
+        return
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"amp.load_state_dict expects the dict amp.state_dict() returned, got {type(state_dict).__name__}"
+        )
     scalers = _amp_state.loss_scalers
     if len(state_dict) != len(scalers):
         print(f"Warning: state_dict contains {len(state_dict)} entries, while {len(scalers)} loss_scalers are used")
@@ -54,6 +73,9 @@ def load_state_dict(state_dict: dict) -> None:
     if unexpected:
         names = ", ".join(f'"{k}"' for k in unexpected)
         raise RuntimeError(f"Error(s) in loading state_dict. Unexpected key(s) in state_dict: {names}. ")
+    for index, key in enumerate(state_dict):
+        if index < len(scalers):
+            LossScaler.checked_state(state_dict[key], f'amp.load_state_dict: state_dict["{key}"]')
     for index, key in enumerate(state_dict):
         if index >= len(scalers):
             print(f"Skipping loss_scaler[{index}], since num_losses was set to {len(scalers)}")

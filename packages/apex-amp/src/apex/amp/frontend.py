@@ -8,12 +8,12 @@ import types
 import torch
 
 from apex.amp import casting
-from apex.amp._amp_state import _amp_state, maybe_print, warn_or_err
+from apex.amp._amp_state import _amp_state, is_optimizer, maybe_print, warn_or_err
 from apex.amp.amp import init as amp_init
 from apex.amp.checkpoint import attach_model_hooks
 from apex.amp.opt_levels import Properties, opt_levels
 from apex.amp.optimizer_state import process_optimizer
-from apex.amp.scaler import LossScaler
+from apex.amp.scaler import LossScaler, check_limits
 from apex.fp16_utils.fp16util import convert_network
 
 
@@ -72,7 +72,8 @@ def initialize(
         cast_model_outputs: the dtype floating outputs are cast to (default: fp32 at O2/O3, none at O1).
         num_losses: how many losses get their own loss scaler (``loss_id`` in ``amp.scale_loss``).
         verbosity: 0 silent, 1 the chosen options and skipped steps, 2 more.
-        min_loss_scale: lower clamp of a dynamic scale (None: none).
+        min_loss_scale: lower clamp of a dynamic scale (None: 2**-24, ``scaler.DEFAULT_MIN_LOSS_SCALE``;
+            upstream had no floor, and a long run of overflows could take the scale to 0.0).
         max_loss_scale: upper clamp (and ceiling of the initial 2**16) of a dynamic scale.
         autocast_dtype: (keyword) O1's cast dtype, ``torch.float16`` (default) or ``torch.bfloat16``.
         hysteresis: (keyword) consecutive overflows before a dynamic scale backs off (default 1).
@@ -80,22 +81,25 @@ def initialize(
     Returns:
         ``models`` if ``optimizers`` is None, else ``(models, optimizers)``.
     """
-    _amp_state.opt_properties = Properties()
     _amp_state.verbosity = verbosity
     if not enabled:
+        _amp_state.opt_properties = Properties()
         return models if optimizers is None else (models, optimizers)
     if opt_level not in opt_levels:
         raise RuntimeError(
             f"Unexpected optimization level {opt_level}. Options are 'O0', 'O1', 'O2', 'O3'.  Note that in "
             "`O0`, `O1`, etc., the prefix O is the letter O, not the number zero."
         )
-    properties = opt_levels[opt_level](_amp_state.opt_properties)
+    # Checked before amp's state changes: a refused call leaves the previous initialize in force.
+    min_loss_scale, max_loss_scale = check_limits(min_loss_scale, max_loss_scale)
+    _check_models([m for m in _model_list(models) if m is not None])
+    _check_not_initialized(models)
+    _check_no_meta_tensors(models)
+    properties = opt_levels[opt_level](Properties())
     maybe_print(f"Selected optimization level {opt_levels[opt_level].brief}", True)
     maybe_print("Defaults for this optimization level are:", True)
     for name, value in properties.options.items():
         maybe_print(f"{name:22} : {value}", True)
-    _amp_state.min_loss_scale = min_loss_scale
-    _amp_state.max_loss_scale = max_loss_scale
 
     maybe_print("Processing user overrides (additional kwargs that are not None)...", True)
     overrides = {
@@ -118,6 +122,9 @@ def initialize(
     for name, value in properties.options.items():
         maybe_print(f"{name:22} : {value}", True)
 
+    _amp_state.opt_properties = properties
+    _amp_state.min_loss_scale = min_loss_scale
+    _amp_state.max_loss_scale = max_loss_scale
     return _initialize(models, optimizers, properties, num_losses, cast_model_outputs, hysteresis)
 
 
@@ -136,6 +143,43 @@ def _check_models(models) -> None:
                     f"Incoming model is an instance of {name}. Parallel wrappers should only be applied to the "
                     "model(s) AFTER \nthe model(s) have been returned from amp.initialize."
                 )
+
+
+def _model_list(models) -> list:
+    """The modules among ``models`` (one, or a list), for checks that run before the type check."""
+    candidates = models if isinstance(models, list) else [models]
+    return [m if isinstance(m, torch.nn.Module) else None for m in candidates]
+
+
+def _check_not_initialized(models) -> None:
+    """A model amp.initialize already cast (O2/O3) cannot be prepared again: say so, not its dtype."""
+    for index, model in enumerate(_model_list(models)):
+        if model is None or not hasattr(model, "_amp_state_hooks"):
+            continue
+        cast = next(
+            (t.dtype for t in (*model.parameters(), *model.buffers()) if t.dtype in (torch.float16, torch.bfloat16)),
+            None,
+        )
+        if cast is not None:
+            raise RuntimeError(
+                f"amp.initialize was already called on models[{index}] (it holds {cast} tensors now). Call "
+                "amp.initialize once, with all models and optimizers, and keep using the models and optimizers "
+                "it returned; to change the opt_level, start again from the fp32 model."
+            )
+
+
+def _check_no_meta_tensors(models) -> None:
+    for index, model in enumerate(_model_list(models)):
+        if model is None:
+            continue
+        for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+            for name, tensor in named:
+                if tensor.is_meta:
+                    raise ValueError(
+                        f"amp.initialize: models[{index}] has {kind} {name} on the meta device; meta tensors are "
+                        "not supported (materialize the model first, e.g. model.to_empty(device=...) and load "
+                        "its weights)"
+                    )
 
 
 def _check_params_fp32(models) -> None:
@@ -178,7 +222,7 @@ def _step_without_casts(optimizer) -> None:
 
 def _initialize(models, optimizers, properties, num_losses, cast_model_outputs, hysteresis):
     optimizers_was_list = False
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer(optimizers):
         optimizers = [optimizers]
     elif optimizers is None:
         optimizers = []

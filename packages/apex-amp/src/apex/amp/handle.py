@@ -7,14 +7,14 @@ import functools
 
 import torch
 
-from apex.amp._amp_state import _amp_state
+from apex.amp._amp_state import _amp_state, is_optimizer
 from apex.amp._multi_tensor import scale_into
 from apex.amp.casting import disable_casts  # noqa: F401  (re-exported: upstream's amp.handle.disable_casts)
 from apex.amp.optimizer_state import AmpOptimizerState
 
 
 def _stashes(optimizers) -> list[AmpOptimizerState]:
-    if isinstance(optimizers, torch.optim.Optimizer):
+    if is_optimizer(optimizers):
         optimizers = [optimizers]
     stashes, seen = [], set()
     for optimizer in optimizers:
@@ -115,6 +115,7 @@ def scale_loss(loss, optimizers, loss_id=0, model=None, delay_unscale=False, del
             return None
         if device not in inv_scales:
             inv_scales[device] = scaler.inv_scale_tensor(device)
+            scaler.check_inverse(inv_scales[device], device)
         return inv_scales[device]
 
     with torch.no_grad():

@@ -6,6 +6,7 @@ and each assignment is checked against the level in force, as upstream Apex does
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -83,9 +84,13 @@ class Properties:
                 )
         elif name == "loss_scale":
             if value != "dynamic":
-                value = float(value)
-                if not value > 0.0:
-                    raise ValueError(f"loss_scale must be 'dynamic' or a positive number, got {value}")
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    number = math.nan
+                if not 0.0 < number < math.inf:
+                    raise ValueError(f"loss_scale must be 'dynamic' or a positive finite number, got {value!r}")
+                value = number
         elif name == "autocast_dtype":
             if level != "O1" and value is not None:
                 warn_or_err(

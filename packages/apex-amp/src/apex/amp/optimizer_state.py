@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import sys
 import types
+import weakref
 
 import torch
 
@@ -48,6 +49,15 @@ def supports_own_master_weights(optimizer: torch.optim.Optimizer) -> bool:
     return "master_weights" in inspect.signature(type(optimizer).__init__).parameters
 
 
+def _add_after_unscale(param: torch.Tensor, existing: torch.Tensor, fresh: torch.Tensor, additions: list) -> None:
+    """``param.grad`` becomes ``existing + fresh`` once ``fresh`` is unscaled (an in-place add on the
+    dense one of the two: torch adds sparse into dense, not dense into sparse)."""
+    if existing.is_sparse and not fresh.is_sparse:
+        existing, fresh = fresh, existing
+    param.grad = existing
+    additions.append((existing, fresh))
+
+
 class AmpOptimizerState:
     """amp's bookkeeping for one optimizer (``optimizer._amp_stash``)."""
 
@@ -64,12 +74,41 @@ class AmpOptimizerState:
         self.sync_free = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self.checked_losses: dict = {}  # loss_id -> scaler, for the message of a skipped step
         self._loaded_masters: dict | None = None
+        # model parameter (with an amp master) -> a weak reference to the gradient amp left in its
+        # .grad after the last unscale (None: it had none). A gradient since cleared or replaced
+        # (model.zero_grad(), p.grad = None) clears the master's accumulated gradient too.
+        self.left_grads: dict[torch.Tensor, weakref.ref | None] = {}
 
     # --- parameters ------------------------------------------------------------------------
 
     def params(self):
         for group in self.optimizer.param_groups:
             yield from group["params"]
+
+    def describe(self, stepped: torch.Tensor) -> str:
+        """Where ``stepped`` sits in the optimizer, for error messages."""
+        for g, group in enumerate(self.optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is stepped:
+                    what = f"{type(self.optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
+                    if stepped in self.model_of:
+                        what += f", the fp32 master of a {self.model_of[stepped].dtype} model parameter"
+                    return what
+        return f"a parameter of shape {tuple(stepped.shape)}"
+
+    def _checked(self, grad: torch.Tensor, stepped: torch.Tensor) -> torch.Tensor:
+        """``grad`` if amp can unscale it: dense or sparse COO, with data (not on the meta device)."""
+        if grad.is_meta:
+            raise ValueError(
+                f"amp.scale_loss: the gradient of {self.describe(stepped)} is on the meta device; meta tensors are "
+                "not supported (materialize the parameters, e.g. with module.to_empty(device=...), before training)"
+            )
+        if grad.layout not in (torch.strided, torch.sparse_coo):
+            raise ValueError(
+                f"amp.scale_loss: the gradient of {self.describe(stepped)} has layout {grad.layout}; amp unscales "
+                "dense (strided) and sparse COO gradients"
+            )
+        return grad
 
     def grad_pairs(self):
         """(model parameter, parameter the optimizer steps) for every parameter of the optimizer."""
@@ -108,8 +147,14 @@ class AmpOptimizerState:
         """Before a backward whose gradients will be unscaled: set aside the gradients that must not be rescaled."""
         if self.grads_are_scaled:
             return
+        left_grads = self.left_grads
         for model, stepped in self.grad_pairs():
             if model is not stepped:
+                left = left_grads.get(model)
+                if left is not None:
+                    current = left()  # None once the gradient amp left was released
+                    if current is None or current is not model.grad:
+                        stepped.grad = None  # the model's gradient was cleared since amp left it
                 model.grad = None  # fresh model gradient; the master keeps what it accumulated
             elif unscale_own_grads and stepped.grad is not None:
                 self.stashed[stepped] = stepped.grad
@@ -121,27 +166,34 @@ class AmpOptimizerState:
         for model, stepped in self.grad_pairs():
             if model is not stepped:
                 grad = model.grad
+                self.left_grads[model] = None if grad is None else weakref.ref(grad)
                 if grad is None:
                     continue
-                if stepped.grad is None:
-                    stepped.grad = torch.empty_like(stepped)
-                    inputs.append(grad)
-                    outputs.append(stepped.grad)
+                if self._checked(grad, stepped).is_sparse:
+                    # A sparse fp32 copy, duplicates summed, unscaled in place.
+                    fresh = grad.float().coalesce()
+                    inputs.append(fresh)
                 else:
                     fresh = torch.empty_like(stepped)
                     inputs.append(grad)
-                    outputs.append(fresh)
-                    additions.append((stepped.grad, fresh))
+                outputs.append(fresh)
+                if stepped.grad is None:
+                    stepped.grad = fresh
+                else:
+                    _add_after_unscale(stepped, stepped.grad, fresh, additions)
             elif unscale_own_grads:
                 old = stashed.pop(stepped, None)
-                if stepped.grad is None:
+                grad = stepped.grad
+                if grad is None:
                     if old is not None:
                         stepped.grad = old
                     continue
-                inputs.append(stepped.grad)
-                outputs.append(stepped.grad)
+                if self._checked(grad, stepped).is_sparse:
+                    grad = stepped.grad = grad.coalesce()  # unscaled in place, duplicates summed
+                inputs.append(grad)
+                outputs.append(grad)
                 if old is not None:
-                    additions.append((stepped.grad, old))
+                    _add_after_unscale(stepped, old, grad, additions)
         stashed.clear()
 
     def restore_after_failed_backward(self) -> None:

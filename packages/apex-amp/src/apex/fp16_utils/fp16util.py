@@ -46,7 +46,11 @@ def BN_convert_float(module: nn.Module) -> nn.Module:
 
 
 def network_to_half(network: nn.Module) -> nn.Module:
-    """``network`` in float16 with batch norm in float32, behind a layer that casts the input to float16."""
+    """``network`` in float16 behind a layer that casts the input to float16; returns a new Sequential.
+
+    Every floating parameter and buffer is cast (``network.half()``), then every batch-norm layer,
+    affine or not, goes back to float32 (:func:`BN_convert_float`), as upstream.
+    """
     return nn.Sequential(tofp16(), BN_convert_float(network.half()))
 
 
@@ -64,9 +68,14 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast ``network`` to ``dtype`` in place, except batch-norm layers, which keep their dtype; returns it."""
+    """Cast ``network``'s floating parameters and buffers to ``dtype`` in place; returns it.
+
+    As upstream, affine batch-norm layers keep their dtype (weights, bias and running statistics);
+    a batch norm without ``affine`` has no weights and is cast like any layer, running statistics
+    included. Integer buffers (``num_batches_tracked``) are never cast.
+    """
     for module in network.modules():
-        if is_batchnorm(module):
+        if is_batchnorm(module) and module.affine:
             continue
         convert_module(module, dtype)
         if isinstance(module, nn.RNNBase):
@@ -75,7 +84,8 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 class FP16Model(nn.Module):
-    """``network`` converted to float16 (batch norm kept float32), its inputs cast to float16."""
+    """``network`` converted to float16 by :func:`convert_network` (affine batch norm kept float32),
+    its floating-point inputs cast to float16 (other inputs, such as indices, pass unchanged)."""
 
     def __init__(self, network: nn.Module):
         super().__init__()
