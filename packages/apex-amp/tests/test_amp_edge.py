@@ -67,8 +67,8 @@ def test_upstream_scaler_attributes_read_and_write_the_state(placed, device):
 
 def test_upstream_overflow_state(device):
     scaler = LossScaler("dynamic")
-    scaler.scale_tensor(torch.device(device))
-    flag = scaler.flag_on(torch.device(device))
+    placed = scaler.scale_tensor(torch.device(device)).device  # cuda:0 where "cuda" was asked
+    flag = scaler.flag_on(placed)
     assert scaler._overflow_buf is flag and scaler._has_overflow is False
     flag.fill_(1)
     assert scaler._has_overflow is True

@@ -108,6 +108,7 @@ def test_non_finite_unscale_is_flagged(device, make_net):
         (dict(loss_scale="big"), ("loss_scale", "'big'")),
         (dict(loss_scale=float("inf")), ("loss_scale",)),
         (dict(loss_scale=float("nan")), ("loss_scale",)),
+        (dict(loss_scale=1e-44), ("loss_scale=1e-44", "unscaled")),
     ],
 )
 def test_bad_loss_scale_arguments(kwargs, names, make_net):

@@ -90,6 +90,11 @@ class Properties:
                     number = math.nan
                 if not 0.0 < number < math.inf:
                     raise ValueError(f"loss_scale must be 'dynamic' or a positive finite number, got {value!r}")
+                if number < torch.finfo(torch.float32).tiny:
+                    raise ValueError(
+                        f"loss_scale={value!r} is below fp32's smallest normal number: 1/loss_scale is inf in fp32, "
+                        "so the gradients could not be unscaled"
+                    )
                 value = number
         elif name == "autocast_dtype":
             if level != "O1" and value is not None:

@@ -13,6 +13,13 @@ Each optimizer gets an :class:`AmpOptimizerState` (``optimizer._amp_stash``) and
   no loss scaling): the groups keep the model's parameters, the optimizer keeps fp32 masters in
   its state and updates them and the model in one kernel; gradients are unscaled in place.
 
+Between two ``amp.scale_loss`` blocks without a step, the masters accumulate (as the model's
+gradients would); a model gradient cleared or replaced in between (``model.zero_grad()``,
+``p.grad = None``) clears its master's gradient too. Zeroing the model's gradients in place
+(``set_to_none=False``) is not seen: use ``optimizer.zero_grad()``, which clears both.
+Sparse COO gradients are unscaled as ``torch.amp.GradScaler`` does: coalesced, in place (into a
+sparse fp32 copy for amp's masters).
+
 A step after an overflow is skipped: optimizers that take ``found_inf`` through the
 GradScaler protocol (``_step_supports_amp_scaling``: apex-optimizers' fused optimizers,
 ``torch.optim`` with ``fused=True``) skip it on the device without a host sync; for any other
