@@ -70,6 +70,7 @@ def test_init_returns_a_handle_kept_in_amp_state():
     assert handle.is_active() and handle.has_cache and handle.dtype == torch.float16
     assert handle.device_types == ("cuda",)  # upstream's rule: CUDA tensors only
     assert amp.init is amp.amp.init
+    assert amp.init(device_types="cpu").device_types == ("cpu",)
 
 
 def test_every_listed_function_is_patched_and_deactivate_restores_all():

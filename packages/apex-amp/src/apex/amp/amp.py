@@ -108,7 +108,9 @@ class AmpHandle:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         self.loss_scale = loss_scale
         self.dtype = dtype
-        self.device_types = tuple(CAST_DEVICE_TYPES if device_types is None else device_types)
+        if device_types is None:
+            device_types = CAST_DEVICE_TYPES
+        self.device_types = (device_types,) if isinstance(device_types, str) else tuple(device_types)
         self._enable_caching = enable_caching
         self._verbose = verbose
         self._cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
