@@ -34,3 +34,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _undo_amp_patches():
+    """``amp.init`` (and ``amp.initialize`` at O1) patch torch's functions for the process: undo
+    them after each test, so that a test of another package never runs under O1's casts."""
+    yield
+    import sys
+
+    amp = sys.modules.get("apex.amp")
+    handle = getattr(getattr(amp, "_amp_state", None), "handle", None)
+    if handle is not None:
+        deactivate = getattr(handle, "_deactivate", None)
+        if deactivate is not None:
+            deactivate()
+        amp._amp_state.handle = None

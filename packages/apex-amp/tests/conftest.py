@@ -49,14 +49,7 @@ def _amp_state_restored():
     state.hard_override, state.allow_incoming_model_not_fp32, state.verbosity = saved
 
 
-@pytest.fixture(autouse=True)
-def _torch_unpatched():
-    """Undo amp.init's patches of torch (amp.initialize at O1 calls it) after every test."""
-    yield
-    handle = getattr(amp._amp_state, "handle", None)
-    if handle is not None:
-        handle._deactivate()
-        amp._amp_state.handle = None
+# amp.init's patches of torch are undone after every test by the root conftest.py.
 
 
 @pytest.fixture
