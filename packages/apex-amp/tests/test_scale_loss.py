@@ -239,10 +239,8 @@ def test_several_models_optimizers_and_losses(device, make_net):
         [a, b], [opt_a, opt_b], opt_level="O1", autocast_dtype=BF16, loss_scale="dynamic", num_losses=3, verbosity=0
     )
 
-    def ref_forward(model, x):
-        # O1's casts (amp.init) are process-wide: the reference models run under them as well.
-        return model(x).float()
-
+    # O1's casts (amp.init) are process-wide: the reference models run under them as well, through
+    # the same losses (on CUDA, out_a * 0.5 + out_b * 0.5 is then a bf16 sum in both).
     for it in range(4):
         x, y = batch(it, device)
         opt_a.zero_grad()
@@ -258,8 +256,7 @@ def test_several_models_optimizers_and_losses(device, make_net):
 
         ref_opt_a.zero_grad()
         ref_opt_b.zero_grad()
-        out_a, out_b = ref_forward(ref_a, x), ref_forward(ref_b, x)
-        r_a, r_b, r_ab = mse(out_a, y), mse(out_b, y), mse(out_a * 0.5 + out_b * 0.5, y)
+        r_a, r_b, r_ab = losses(ref_a, ref_b, x, y)
         r_a.backward(retain_graph=True)
         r_b.backward(retain_graph=True)
         r_ab.backward()

@@ -39,8 +39,8 @@ def test_fresh_interpreter_import():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def close(a, b, dtype):
-    tol = TOL[dtype]
+def close(a, b, dtype, factor=1.0):
+    tol = TOL[dtype] * factor
     torch.testing.assert_close(a.float() if a.dtype != torch.float64 else a, b.float() if b.dtype != torch.float64 else b, atol=tol, rtol=tol)
 
 
@@ -77,7 +77,8 @@ def test_layer_norm_functions(device, dtype, memory_efficient):
     saved = out if memory_efficient else x
     dx, dw, db = m.backward_affine(dy, None if memory_efficient else mean, invvar, saved, NORMALIZED, w, b, EPS, memory_efficient)
     assert dx.dtype == dtype and dw.dtype == db.dtype == dtype
-    close(dx, gx, dtype), close(dw, gw, dtype), close(db, gb, dtype)
+    factor = 2.0 if memory_efficient else 1.0  # the normalized values recomputed from the rounded output
+    close(dx, gx, dtype, factor), close(dw, gw, dtype, factor), close(db, gb, dtype)
 
     out, mean, invvar = m.forward(x, NORMALIZED, EPS)
     ref, (gx,) = grads(lambda x: AF.fused_layer_norm(x, NORMALIZED, EPS), x, dy=dy)
@@ -99,7 +100,9 @@ def test_rms_norm_functions(device, dtype, memory_efficient):
     ref, (gx, gw) = grads(lambda x, w: AF.fused_rms_norm_affine(x, w, NORMALIZED, EPS), x, w, dy=dy)
     close(out, ref, dtype)
     dx, dw = m.rms_backward_affine(dy, invvar, out if memory_efficient else x, NORMALIZED, w, EPS, memory_efficient)
-    close(dx, gx, dtype), close(dw, gw, dtype)
+    # memory_efficient recomputes the normalized values from the rounded output: twice the error
+    factor = 2.0 if memory_efficient else 1.0
+    close(dx, gx, dtype, factor), close(dw, gw, dtype, factor)
 
     out, invvar = m.rms_forward(x, NORMALIZED, EPS)
     ref, (gx,) = grads(lambda x: AF.fused_rms_norm(x, NORMALIZED, EPS), x, dy=dy)

@@ -248,8 +248,11 @@ def test_dense_non_contiguous_layouts_are_accepted(device, name):
     assert not last["params"][1].is_contiguous()
     op(name)(**contiguous)
     op(name)(**last)
-    # element-wise ops agree bitwise; LAMB's per-tensor norms sum in another order
-    tol = dict(rtol=1e-6, atol=1e-7) if name == "fused_lamb" else dict(rtol=0, atol=0)
+    # Element-wise ops agree to an ulp: on CUDA the elements the scalar tail handles (and so how
+    # the compiler contracts their arithmetic) differ with the layout. LAMB's per-tensor norms sum
+    # in another order.
+    eps = torch.finfo(torch.float32).eps
+    tol = dict(rtol=1e-6, atol=1e-7) if name == "fused_lamb" else dict(rtol=2 * eps, atol=1e-12)
     for key, value in contiguous.items():
         if isinstance(value, list):
             for a, b in zip(value, last[key]):

@@ -5,7 +5,9 @@
 // the other devices, torch.compile, and CUDA before this library is loaded. Both save the same
 // tensors and call norm_backward with the same arguments.
 #include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/core/SymIntArrayRef.h>
@@ -15,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace apex_normalization {
 namespace {
@@ -51,8 +54,8 @@ void save_edges(AutogradContext* ctx, int64_t first, const std::optional<Tensor>
 
 // _setup_context of _ops.py.
 void save(AutogradContext* ctx, const Tensor& normalized, const Tensor& output, const std::optional<Tensor>& weight,
-          const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& rstd, size_t shape_dims, bool rms,
-          bool memory_efficient) {
+          const std::optional<Tensor>& bias, const Tensor& mean, const Tensor& rstd, size_t shape_dims, double eps,
+          bool rms, bool memory_efficient) {
   ctx->mark_non_differentiable({mean, rstd});
   ctx->set_materialize_grads(false);
   const bool keep_mean = !(rms || memory_efficient);
@@ -60,6 +63,7 @@ void save(AutogradContext* ctx, const Tensor& normalized, const Tensor& output, 
                           defined(bias) ? *bias : Tensor(), keep_mean ? mean : Tensor(), rstd});
   // normalized_shape is the tail of the saved tensor's shape (symbolic while tracing).
   ctx->saved_data["shape_dims"] = static_cast<int64_t>(shape_dims);
+  ctx->saved_data["eps"] = eps;
   ctx->saved_data["rms"] = rms;
   ctx->saved_data["memory_efficient"] = memory_efficient;
   ctx->saved_data["input_dtype"] = static_cast<int64_t>(normalized.scalar_type());
@@ -68,6 +72,39 @@ void save(AutogradContext* ctx, const Tensor& normalized, const Tensor& output, 
 bool needs(AutogradContext* ctx, const char* edge) {
   const int64_t index = ctx->saved_data[edge].toInt();
   return index >= 0 && ctx->needs_input_grad(static_cast<size_t>(index));
+}
+
+// A backward that records a graph (create_graph=True, double backward): the gradients as
+// differentiable ATen ops, with the statistics recomputed from the saved input so that their
+// dependence on it is differentiated too (_double_backward_grads and _reference.norm_backward of
+// _ops.py). The saved mean and rstd are constants to autograd.
+std::tuple<Tensor, Tensor, Tensor> differentiable_grads(AutogradContext* ctx, const Tensor& grad_output,
+                                                        const Tensor& grad_residual_out, const Tensor& kept,
+                                                        const Tensor& weight, const Tensor& bias, int64_t dims) {
+  TORCH_CHECK(!ctx->saved_data["memory_efficient"].toBool(),
+              "apex_normalization.norm_forward: double backward (create_graph=True) is not supported with "
+              "memory_efficient=True (the input is not saved); use memory_efficient=False");
+  const bool rms = ctx->saved_data["rms"].toBool();
+  const double eps = ctx->saved_data["eps"].toDouble();
+  const auto input_dtype = static_cast<c10::ScalarType>(ctx->saved_data["input_dtype"].toInt());
+  const auto compute = kept.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  std::vector<int64_t> rows, lead;
+  for (int64_t d = 0; d < kept.dim(); ++d) (d < kept.dim() - dims ? lead : rows).push_back(d);
+  const Tensor x = kept.to(compute);
+  Tensor centered = x;
+  if (!rms) centered = x - x.mean(rows, /*keepdim=*/true);
+  const Tensor rstd = (centered.square().mean(rows, /*keepdim=*/true) + eps).rsqrt();
+  const Tensor xhat = centered * rstd;
+  const Tensor dy = grad_output.to(compute);
+  const Tensor wdy = weight.defined() ? dy * weight.to(compute) : dy;
+  Tensor inner = wdy - xhat * (wdy * xhat).mean(rows, /*keepdim=*/true);
+  if (!rms) inner = inner - wdy.mean(rows, /*keepdim=*/true);
+  Tensor grad_input = inner * rstd;
+  if (grad_residual_out.defined()) grad_input = grad_input + grad_residual_out.to(compute);
+  Tensor grad_weight, grad_bias;
+  if (weight.defined() && needs(ctx, "weight_edge")) grad_weight = (dy * xhat).sum(lead).to(weight.scalar_type());
+  if (bias.defined() && needs(ctx, "bias_edge")) grad_bias = dy.sum(lead).to(bias.scalar_type());
+  return {grad_input.to(input_dtype), grad_weight, grad_bias};
 }
 
 // _backward of _ops.py: (grad_input, grad_weight, grad_bias).
@@ -80,8 +117,9 @@ std::tuple<Tensor, Tensor, Tensor> grads(AutogradContext* ctx, const Tensor& gra
   const Tensor& bias = saved[2];
   const Tensor& mean = saved[3];
   const Tensor& rstd = saved[4];
-  const bool weight_grads = weight.defined() && (needs(ctx, "weight_edge") || (bias.defined() && needs(ctx, "bias_edge")));
   const int64_t dims = ctx->saved_data["shape_dims"].toInt();
+  if (at::GradMode::is_enabled()) return differentiable_grads(ctx, grad_output, grad_residual_out, kept, weight, bias, dims);
+  const bool weight_grads = weight.defined() && (needs(ctx, "weight_edge") || (bias.defined() && needs(ctx, "bias_edge")));
   static const auto backward = op_handle<BackwardSignature>("apex_normalization::norm_backward");
   auto [grad_input, grad_weight, grad_bias] = backward.call(
       grad_output.contiguous(), kept, weight.defined() ? std::optional<Tensor>(weight) : std::nullopt,
@@ -106,7 +144,7 @@ struct NormForward : public torch::autograd::Function<NormForward> {
           op.call(input, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype);
     }
     save_edges(ctx, 1, weight, bias);
-    save(ctx, input, out, weight, bias, mean, rstd, normalized_shape.size(), rms, memory_efficient);
+    save(ctx, input, out, weight, bias, mean, rstd, normalized_shape.size(), eps, rms, memory_efficient);
     return {out, mean, rstd};
   }
 
@@ -130,7 +168,7 @@ struct AddNormForward : public torch::autograd::Function<AddNormForward> {
           op.call(input, residual, weight, bias, normalized_shape, eps, rms, memory_efficient, output_dtype);
     }
     save_edges(ctx, 2, weight, bias);
-    save(ctx, residual_out, out, weight, bias, mean, rstd, normalized_shape.size(), rms, memory_efficient);
+    save(ctx, residual_out, out, weight, bias, mean, rstd, normalized_shape.size(), eps, rms, memory_efficient);
     return {out, residual_out, mean, rstd};
   }
 
