@@ -37,14 +37,24 @@ NORMS = {
         True,
         True,
     ),
-    "layer": (lambda x, w, b, s: AF.fused_layer_norm(x, s, EPS), lambda x, w, b, s: F.layer_norm(x, s, eps=EPS), False, False),
+    "layer": (
+        lambda x, w, b, s: AF.fused_layer_norm(x, s, EPS),
+        lambda x, w, b, s: F.layer_norm(x, s, eps=EPS),
+        False,
+        False,
+    ),
     "rms+weight": (
         lambda x, w, b, s: AF.fused_rms_norm_affine(x, w, s, EPS),
         lambda x, w, b, s: F.rms_norm(x, s, w, EPS),
         True,
         False,
     ),
-    "rms": (lambda x, w, b, s: AF.fused_rms_norm(x, s, EPS), lambda x, w, b, s: F.rms_norm(x, s, eps=EPS), False, False),
+    "rms": (
+        lambda x, w, b, s: AF.fused_rms_norm(x, s, EPS),
+        lambda x, w, b, s: F.rms_norm(x, s, eps=EPS),
+        False,
+        False,
+    ),
 }
 
 
@@ -80,10 +90,10 @@ def main() -> int:
             for norm, (ours, theirs, with_w, with_b) in NORMS.items():
                 leaves = [x] + ([w] if with_w else []) + ([b] if with_b else [])
 
-                def forward(fn):
+                def forward(fn, x=x, w=w, b=b, shape=shape):
                     return lambda: fn(x, w, b, shape)
 
-                def both(fn):
+                def both(fn, x=x, w=w, b=b, shape=shape, leaves=leaves, dy=dy):
                     return lambda: torch.autograd.grad(fn(x, w, b, shape), leaves, dy)
 
                 for what, wrap in (("forward", forward), ("forward+backward", both)):

@@ -26,8 +26,6 @@ the backward (the statistics carry it).
 
 from __future__ import annotations
 
-import torch
-
 from apex.normalization import _ops
 from apex.normalization.functional import normalized_shape_tuple
 
@@ -40,7 +38,13 @@ def _forward(input, normalized_shape, gamma, beta, epsilon, rms, mixed):
     gamma, beta = _contiguous(gamma), _contiguous(beta)
     output_dtype = gamma.dtype if mixed else None
     out, mean, invvar = _ops.norm_forward(
-        input.contiguous(), gamma, beta, normalized_shape_tuple(normalized_shape), float(epsilon), rms, False,
+        input.contiguous(),
+        gamma,
+        beta,
+        normalized_shape_tuple(normalized_shape),
+        float(epsilon),
+        rms,
+        False,
         output_dtype,
     )
     return out, mean.reshape(-1), invvar.reshape(-1)

@@ -41,7 +41,9 @@ def test_fresh_interpreter_import():
 
 def close(a, b, dtype, factor=1.0):
     tol = TOL[dtype] * factor
-    torch.testing.assert_close(a.float() if a.dtype != torch.float64 else a, b.float() if b.dtype != torch.float64 else b, atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        a.float() if a.dtype != torch.float64 else a, b.float() if b.dtype != torch.float64 else b, atol=tol, rtol=tol
+    )
 
 
 def data(device, dtype, weight_dtype=None):
@@ -75,7 +77,9 @@ def test_layer_norm_functions(device, dtype, memory_efficient):
     ref, (gx, gw, gb) = grads(lambda x, w, b: AF.fused_layer_norm_affine(x, w, b, NORMALIZED, EPS), x, w, b, dy=dy)
     close(out, ref, dtype)
     saved = out if memory_efficient else x
-    dx, dw, db = m.backward_affine(dy, None if memory_efficient else mean, invvar, saved, NORMALIZED, w, b, EPS, memory_efficient)
+    dx, dw, db = m.backward_affine(
+        dy, None if memory_efficient else mean, invvar, saved, NORMALIZED, w, b, EPS, memory_efficient
+    )
     assert dx.dtype == dtype and dw.dtype == db.dtype == dtype
     factor = 2.0 if memory_efficient else 1.0  # the normalized values recomputed from the rounded output
     close(dx, gx, dtype, factor), close(dw, gw, dtype, factor), close(db, gb, dtype)

@@ -207,7 +207,7 @@ def test_double_backward_matches_torch(device, rms):
 def test_double_backward_memory_efficient_raises(device, rms):
     x, w, b = inputs(device)
     out = _norm_fn(rms, True, memory_efficient=True)(x, w, b, None)
-    with pytest.raises(RuntimeError, match="norm_forward.*memory_efficient"):
+    with pytest.raises(RuntimeError, match=r"norm_forward.*memory_efficient"):
         torch.autograd.grad(out, (x, w), torch.ones_like(out), create_graph=True)
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import bench_rope  # noqa: E402
-import bench_softmax  # noqa: E402
+import bench_rope
+import bench_softmax
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,7 +184,17 @@ def fast_norm_backward(
     and its input gradient is scaled by rstd afterwards."""
     if _tiny(saved, ndim):
         return norm_backward(
-            grad_output, saved, weight, bias, mean, rstd, ndim, rms, memory_efficient, input_dtype, weight_grads,
+            grad_output,
+            saved,
+            weight,
+            bias,
+            mean,
+            rstd,
+            ndim,
+            rms,
+            memory_efficient,
+            input_dtype,
+            weight_grads,
             grad_residual_out,
         )
     cdt = compute_dtype(input_dtype)
@@ -216,7 +226,9 @@ def fast_norm_backward(
         if stat_mean is None:
             stat_mean = torch.zeros_like(stat_rstd)
         mask = [True, with_weight, with_weight and bias is not None]
-        grad_input, grad_weight, grad_bias = _layer_norm_backward(dy, x, shape, stat_mean, stat_rstd, weight, bias, mask)
+        grad_input, grad_weight, grad_bias = _layer_norm_backward(
+            dy, x, shape, stat_mean, stat_rstd, weight, bias, mask
+        )
     if memory_efficient or grad_residual_out is not None or grad_input.dtype != input_dtype:
         grad_input = grad_input.to(cdt)
         if memory_efficient:
