@@ -23,11 +23,7 @@ _LAYOUT = "[b, np, sq, sk]"
 
 
 def forward(input, mask, scale):
-    _softmax_ops.legacy_dims(_MODULE, "input", input, 4, _LAYOUT)
-    _softmax_ops.legacy_dims(_MODULE, "mask", mask, 4, "[b or 1, 1, sq, sk]")
-    return _softmax_ops.scaled_softmax_forward(
-        input.contiguous(), mask.contiguous(), _softmax_ops.legacy_scale(_MODULE, scale), False
-    )
+    return _softmax_ops.legacy_forward(_MODULE, input, mask, scale, False, 4, _LAYOUT)
 
 
 def backward(output_grads, softmax_results, scale):

@@ -19,10 +19,7 @@ _LAYOUT = "[b, np, sq, sk]"
 
 
 def forward(input, scale):
-    _softmax_ops.legacy_dims(_MODULE, "input", input, 4, _LAYOUT)
-    return _softmax_ops.scaled_softmax_forward(
-        input.contiguous(), None, _softmax_ops.legacy_scale(_MODULE, scale), False
-    )
+    return _softmax_ops.legacy_forward(_MODULE, input, None, scale, False, 4, _LAYOUT)
 
 
 def backward(output_grads, softmax_results, scale):

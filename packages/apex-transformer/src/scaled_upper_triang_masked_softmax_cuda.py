@@ -19,10 +19,7 @@ _LAYOUT = "[attn_batches, sq, sk]"
 
 
 def forward(input, scale):
-    _softmax_ops.legacy_dims(_MODULE, "input", input, 3, _LAYOUT)
-    return _softmax_ops.scaled_softmax_forward(
-        input.contiguous(), None, _softmax_ops.legacy_scale(_MODULE, scale), True
-    )
+    return _softmax_ops.legacy_forward(_MODULE, input, None, scale, True, 3, _LAYOUT)
 
 
 def backward(output_grads, softmax_results, scale):

@@ -219,6 +219,18 @@ def legacy_dims(module: str, name: str, t: torch.Tensor, dims: int, layout: str)
         raise ValueError(f"{module}: {name} must be a {dims}-D tensor {layout}, got shape {tuple(t.shape)}")
 
 
+MASK_LAYOUT = "[b or 1, 1, sq, sk]"
+
+
+def legacy_forward(module: str, input, mask, scale, causal: bool, dims: int, layout: str):
+    """The legacy modules' ``forward``: their shape checks, then the op on contiguous tensors."""
+    legacy_dims(module, "input", input, dims, layout)
+    if mask is not None:
+        legacy_dims(module, "mask", mask, 4, MASK_LAYOUT)
+        mask = mask.contiguous()
+    return scaled_softmax_forward(input.contiguous(), mask, legacy_scale(module, scale), causal)
+
+
 def legacy_backward(module: str, output_grads, softmax_results, scale, causal: bool, dims: int, layout: str):
     """``dx`` written into ``output_grads`` (a contiguous copy of it when it is not contiguous),
     which is returned, as upstream's ``backward`` does."""
