@@ -1,0 +1,112 @@
+"""apex.mlp.MLP against PyTorch's nn.Sequential(Linear, ReLU, ...), eager and under torch.compile
+(CUDA only): one forward and backward step.
+
+    python packages/apex-mlp/benchmarks/bench_mlp.py [--out DIR] [--samples N]
+
+Per case: ours, eager and compiled torch in ms (CUDA events, median of samples, input copies
+cycling), eager / ours, compiled / ours, and ours in TFLOP/s and as a fraction of the bf16 matmul
+rate measured in the same run (an 8192^3 torch.mm). The input needs no gradient (data), so the
+first layer's input-gradient GEMM is not counted, nor done by either side. Bar: ours at least
+EAGER_BAR times as fast as eager PyTorch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from apex.core.benchmarking import (
+    copies_for_l2,
+    markdown_table,
+    report,
+    require_cuda,
+    require_kernels,
+    time_ms,
+    verdict,
+)
+from apex.mlp import MLP
+
+CASES = [(8192, [1024, 4096, 4096, 1024], torch.bfloat16)]  # (batch, mlp_sizes, dtype)
+EAGER_BAR = 1.1
+MATMUL_SIZE = 8192
+HEADER = ["batch", "mlp_sizes", "dtype", "ours ms", "eager ms", "compiled ms", "eager / ours", "compiled / ours",
+          "ours TFLOP/s", "% of matmul"]  # fmt: skip
+
+
+def matmul_tflops(samples: int) -> float:
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms([lambda: torch.mm(a, b)], samples)
+    return 2 * MATMUL_SIZE**3 / (ms * 1e-3) / 1e12
+
+
+def step_flops(batch: int, sizes: list[int]) -> int:
+    """Forward, weight gradients and input gradients of every layer but the first."""
+    products = [i * o for i, o in itertools.pairwise(sizes)]
+    return 2 * batch * (3 * sum(products) - products[0])
+
+
+def sequential_like(mlp: MLP) -> nn.Sequential:
+    layers = []
+    for w, b in zip(mlp.weights, mlp.biases):
+        linear = nn.Linear(w.shape[1], w.shape[0], device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(w)
+            linear.bias.copy_(b)
+        layers += [linear, nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def measure(batch: int, sizes: list[int], dtype, samples: int) -> tuple[list[str], float, float]:
+    """One row of the table, ours in TFLOP/s, and eager / ours."""
+    mlp = MLP(sizes).to(device="cuda", dtype=dtype)
+    eager = sequential_like(mlp)
+    compiled = torch.compile(sequential_like(mlp), fullgraph=True)
+    copies = min(4, copies_for_l2(batch * sizes[0] * dtype.itemsize))
+    inputs = [torch.randn(batch, sizes[0], device="cuda", dtype=dtype) for _ in range(copies)]
+    grad = torch.randn(batch, sizes[-1], device="cuda", dtype=dtype)
+    torch.testing.assert_close(mlp(inputs[0]), eager(inputs[0]), rtol=2e-2, atol=2e-2)
+
+    def timed(module):
+        params = list(module.parameters())
+
+        def step(x):
+            torch.autograd.grad(module(x), params, grad)
+
+        return time_ms([lambda x=x: step(x) for x in inputs], samples)
+
+    ours, eager_ms, compiled_ms = timed(mlp), timed(eager), timed(compiled)
+    tflops = step_flops(batch, sizes) / (ours * 1e-3) / 1e12
+    row = [f"{ours:.3f}", f"{eager_ms:.3f}", f"{compiled_ms:.3f}", f"{eager_ms / ours:.2f}x",
+           f"{compiled_ms / ours:.2f}x", f"{tflops:.0f}"]  # fmt: skip
+    return row, tflops, eager_ms / ours
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_mlp.md")
+    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    args = parser.parse_args(argv)
+    if not require_cuda("bench_mlp"):
+        return 1
+    require_kernels("mlp")
+    torch.manual_seed(0)
+    peak = matmul_tflops(args.samples)
+    rows, verdicts = [], []
+    for batch, sizes, dtype in CASES:
+        cells, tflops, speedup = measure(batch, sizes, dtype, args.samples)
+        case = [str(batch), "-".join(map(str, sizes)), str(dtype).removeprefix("torch.")]
+        rows.append([*case, *cells, f"{100 * tflops / peak:.0f}%"])
+        verdicts.append(verdict(f"{' '.join(case)}: forward+backward, eager / ours", speedup, EAGER_BAR))
+    notes = [f"bf16 matmul rate ({MATMUL_SIZE}^3 torch.mm): {peak:.0f} TFLOP/s"]
+    report("bench_mlp", [*markdown_table(HEADER, rows), "", *verdicts], out=args.out, notes=notes)
+    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

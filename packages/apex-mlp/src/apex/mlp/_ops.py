@@ -1,0 +1,203 @@
+"""apex_mlp's dispatcher ops: schemas, checks, references, fakes, and their autograd.
+
+Two ops carry a whole multi-layer perceptron (``y_i = act(y_{i-1} @ w_i^T + b_i)``, the activation
+after every layer, the last included, as upstream Apex):
+
+- ``mlp_forward(input, weights, biases, activation) -> Tensor[]``: every layer's output, the last
+  one being the MLP's output. These are exactly what the backward needs besides the parameters
+  (the next layer's weight gradient reads a layer's output; the activation derivative is a
+  function of the output: relu's is ``y > 0``, sigmoid's ``y * (1 - y)``).
+- ``mlp_backward(grad_output, input, weights, outputs, bias, activation, input_grad) -> Tensor[]``:
+  ``[grad_input (only with input_grad), *grad_weights, *grad_biases (only with bias)]``.
+
+How an op is written: ``apex.core.library``. The CUDA kernels (``csrc/mlp.cu``) make the same
+checks with the same words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apex.core.library import autograd, op
+from apex.mlp._plugin import KERNELS
+
+# upstream Apex's activation codes
+ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_DTYPE_NAMES = "float32, float16, bfloat16, float64"
+
+
+def _check_matrix(a, name: str, t: torch.Tensor, dim: int, dtype, device) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{a.op}: {name} has dtype {t.dtype}; expected {dtype} (the input's)")
+    if t.layout != torch.strided:
+        raise ValueError(f"{a.op}: {name} has layout {t.layout}; only dense (strided) tensors are supported")
+    if t.device != device:
+        raise ValueError(f"{a.op}: {name} is on {t.device}, expected {device}")
+    if t.dim() != dim:
+        raise ValueError(f"{a.op}: {name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{a.op}: {name} is not contiguous")
+
+
+def _check_layers(a, x: torch.Tensor, weights, biases) -> None:
+    """The input, weights and biases of one MLP: shapes chained, one dtype and device."""
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{a.op}: input has dtype {x.dtype}; expected one of {_DTYPE_NAMES}")
+    _check_matrix(a, "input", x, 2, x.dtype, x.device)
+    if len(weights) == 0:
+        raise ValueError(f"{a.op}: weights is empty; an MLP needs at least one layer")
+    if len(biases) not in (0, len(weights)):
+        raise ValueError(f"{a.op}: biases has {len(biases)} tensors; expected 0 or {len(weights)} (one per weight)")
+    features = x.shape[1]
+    for i, w in enumerate(weights):
+        _check_matrix(a, f"weights[{i}]", w, 2, x.dtype, x.device)
+        if w.shape[1] != features:
+            raise ValueError(
+                f"{a.op}: weights[{i}] has shape {tuple(w.shape)}; expected {features} columns "
+                f"(the {'input' if i == 0 else f'weights[{i - 1}]'}'s features)"
+            )
+        features = w.shape[0]
+        if biases:
+            _check_matrix(a, f"biases[{i}]", biases[i], 1, x.dtype, x.device)
+            if biases[i].shape[0] != features:
+                raise ValueError(
+                    f"{a.op}: biases[{i}] has shape {tuple(biases[i].shape)}; expected ({features},) "
+                    f"(weights[{i}]'s rows)"
+                )
+
+
+def _check_activation(a) -> None:
+    if a.activation not in ACTIVATIONS.values():
+        raise ValueError(f"{a.op}: activation is {a.activation}; expected 0 (none), 1 (relu) or 2 (sigmoid)")
+
+
+def _check_forward(a) -> None:
+    _check_layers(a, a.input, a.weights, a.biases)
+    _check_activation(a)
+
+
+def _forward_fake(a):
+    return [a.input.new_empty((a.input.shape[0], w.shape[0])) for w in a.weights]
+
+
+def _activate(z: torch.Tensor, activation: int) -> torch.Tensor:
+    if activation == ACTIVATIONS["relu"]:
+        return torch.relu(z)
+    if activation == ACTIVATIONS["sigmoid"]:
+        return torch.sigmoid(z)
+    return z
+
+
+@op(
+    KERNELS,
+    "mlp_forward(Tensor input, Tensor[] weights, Tensor[] biases, int activation) -> Tensor[]",
+    check=_check_forward,
+    fake=_forward_fake,
+)
+def mlp_forward(a):
+    y = a.input
+    outputs = []
+    for i, w in enumerate(a.weights):
+        z = torch.addmm(a.biases[i], y, w.t()) if a.biases else y @ w.t()
+        y = _activate(z, a.activation)
+        outputs.append(y)
+    return outputs
+
+
+def _check_backward(a) -> None:
+    biases = [w.new_empty(w.shape[0]) for w in a.weights] if a.bias else []
+    _check_layers(a, a.input, a.weights, biases)
+    _check_activation(a)
+    if len(a.outputs) != len(a.weights):
+        raise ValueError(f"{a.op}: outputs has {len(a.outputs)} tensors; expected {len(a.weights)} (one per layer)")
+    rows = a.input.shape[0]
+    for i, (y, w) in enumerate(zip(a.outputs, a.weights)):
+        _check_matrix(a, f"outputs[{i}]", y, 2, a.input.dtype, a.input.device)
+        if tuple(y.shape) != (rows, w.shape[0]):
+            raise ValueError(f"{a.op}: outputs[{i}] has shape {tuple(y.shape)}; expected {(rows, w.shape[0])}")
+    _check_matrix(a, "grad_output", a.grad_output, 2, a.input.dtype, a.input.device)
+    if a.grad_output.shape != a.outputs[-1].shape:
+        raise ValueError(
+            f"{a.op}: grad_output has shape {tuple(a.grad_output.shape)}; expected "
+            f"{tuple(a.outputs[-1].shape)} (the output's)"
+        )
+
+
+def _backward_fake(a):
+    grads = [torch.empty_like(a.input)] if a.input_grad else []
+    grads += [torch.empty_like(w) for w in a.weights]
+    if a.bias:
+        grads += [w.new_empty(w.shape[0]) for w in a.weights]
+    return grads
+
+
+def _activation_backward(grad: torch.Tensor, y: torch.Tensor, activation: int) -> torch.Tensor:
+    """The gradient before the activation from the one after it and the activation's output."""
+    if activation == ACTIVATIONS["relu"]:
+        return torch.where(y > 0, grad, 0)
+    if activation == ACTIVATIONS["sigmoid"]:
+        yf = y.float() if y.dtype in (torch.float16, torch.bfloat16) else y
+        return (grad * yf * (1 - yf)).to(y.dtype)
+    return grad
+
+
+@op(
+    KERNELS,
+    "mlp_backward(Tensor grad_output, Tensor input, Tensor[] weights, Tensor[] outputs, bool bias, "
+    "int activation, bool input_grad) -> Tensor[]",
+    check=_check_backward,
+    fake=_backward_fake,
+)
+def mlp_backward(a):
+    layers = len(a.weights)
+    grad_weights, grad_biases = [None] * layers, [None] * layers
+    grad = a.grad_output
+    for i in reversed(range(layers)):
+        dz = _activation_backward(grad, a.outputs[i], a.activation)
+        y_in = a.outputs[i - 1] if i > 0 else a.input
+        grad_weights[i] = dz.t() @ y_in
+        if a.bias:
+            # 16-bit sums in float32, rounded once
+            grad_biases[i] = dz.sum(0, dtype=torch.promote_types(dz.dtype, torch.float32)).to(dz.dtype)
+        if i > 0 or a.input_grad:
+            grad = dz @ a.weights[i]
+    grads = [grad] if a.input_grad else []
+    return grads + grad_weights + (grad_biases if a.bias else [])
+
+
+def _forward(bias: bool, activation: int, input: torch.Tensor, *parameters: torch.Tensor):
+    weights, biases = _split(bias, parameters)
+    return tuple(mlp_forward(input, weights, biases, activation))
+
+
+def _split(bias: bool, parameters):
+    layers = len(parameters) // 2 if bias else len(parameters)
+    return list(parameters[:layers]), list(parameters[layers:])
+
+
+def _setup_context(ctx, inputs, outputs) -> None:
+    bias, activation, input, *parameters = inputs
+    weights, _ = _split(bias, parameters)
+    ctx.bias, ctx.activation, ctx.layers = bias, activation, len(weights)
+    ctx.input_grad = input.requires_grad
+    # Only the last output is the MLP's; the hidden ones are saved for the backward alone.
+    ctx.mark_non_differentiable(*outputs[:-1])
+    ctx.save_for_backward(input, *weights, *outputs)
+
+
+def _backward(ctx, *grad_outputs):
+    grad_output = grad_outputs[-1]  # the hidden outputs' gradients are None: they are not differentiable
+    input, *rest = ctx.saved_tensors
+    weights, outputs = rest[: ctx.layers], rest[ctx.layers :]
+    grads = mlp_backward(grad_output.contiguous(), input, weights, outputs, ctx.bias, ctx.activation, ctx.input_grad)
+    grad_input = grads.pop(0) if ctx.input_grad else None
+    return None, None, grad_input, *grads
+
+
+_differentiable_forward = autograd(_forward, _setup_context, _backward, "Mlp")
+
+
+def mlp(bias: bool, activation: int, input: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
+    """The MLP's output: ``parameters`` are the weights, then (with ``bias``) the biases."""
+    return _differentiable_forward(bool(bias), int(activation), input, *parameters)[-1]

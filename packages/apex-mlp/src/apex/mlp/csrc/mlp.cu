@@ -1,0 +1,462 @@
+// The MLP's forward and backward, one op each: y_i = act(y_{i-1} w_i^T + b_i) for every layer.
+// The references, and the wording of the checks below, are in apex.mlp's _ops.py.
+//
+// Each GEMM goes through cuBLASLt (the handle PyTorch keeps for the current device, the current
+// stream, a workspace from PyTorch's caching allocator) with its epilogue doing what follows it:
+// forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS), sigmoid by a small element-wise
+// kernel after the bias epilogue; backward: the bias gradient in the weight-gradient GEMM
+// (CUBLASLT_EPILOGUE_BGRADB), the activation derivative by an element-wise kernel reading the
+// layer's output (relu: y > 0, sigmoid: y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading
+// dimension or pointer not 16-byte aligned, an empty dimension, float64, or no algorithm for the
+// epilogue), that GEMM and its epilogue go through ATen instead: every shape works.
+//
+// Row-major [rows, cols] is column-major [cols, rows]; so y = x w^T is, in cuBLASLt's terms,
+// D (n_out x batch) = op_T(w) (n_out x n_in) * x (n_in x batch).
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <apex/checks.h>
+#include <apex/dispatch.h>
+#include <apex/launch.cuh>
+#include <apex/vectorized.cuh>
+
+namespace {
+
+constexpr int64_t kNone = 0;
+constexpr int64_t kRelu = 1;
+constexpr int64_t kSigmoid = 2;
+
+// ---------------------------------------------------------------------------------------------
+// Checks (the same words as _ops.py)
+
+void check_matrix(const char* op, const std::string& name, const at::Tensor& t, int64_t dim,
+                  c10::ScalarType dtype, c10::Device device) {
+  namespace checks = apex::checks;
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", name, " has dtype ", checks::torch_dtype(t.scalar_type()),
+                   "; expected ", checks::torch_dtype(dtype), " (the input's)");
+  checks::placed(op, name.c_str(), t, device);
+  TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ",
+                    checks::shape_string(t.sizes()));
+  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
+}
+
+void check_layers(const char* op, const at::Tensor& x, at::TensorList weights, int64_t biases, at::TensorList bias_list) {
+  namespace checks = apex::checks;
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(checks::contains(checks::kFloatDtypes, dtype) || dtype == at::kDouble, op, ": input has dtype ",
+                   checks::torch_dtype(dtype), "; expected one of float32, float16, bfloat16, float64");
+  check_matrix(op, "input", x, 2, dtype, x.device());
+  const auto layers = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(layers > 0, op, ": weights is empty; an MLP needs at least one layer");
+  TORCH_CHECK_VALUE(biases == 0 || biases == layers, op, ": biases has ", biases, " tensors; expected 0 or ", layers,
+                    " (one per weight)");
+  int64_t features = x.size(1);
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto name = "weights[" + std::to_string(i) + "]";
+    check_matrix(op, name, weights[i], 2, dtype, x.device());
+    TORCH_CHECK_VALUE(weights[i].size(1) == features, op, ": ", name, " has shape ",
+                      checks::shape_string(weights[i].sizes()), "; expected ", features, " columns (the ",
+                      i == 0 ? std::string("input") : "weights[" + std::to_string(i - 1) + "]", "'s features)");
+    features = weights[i].size(0);
+    if (!bias_list.empty()) {
+      const auto bias_name = "biases[" + std::to_string(i) + "]";
+      check_matrix(op, bias_name, bias_list[i], 1, dtype, x.device());
+      TORCH_CHECK_VALUE(bias_list[i].size(0) == features, op, ": ", bias_name, " has shape ",
+                        checks::shape_string(bias_list[i].sizes()), "; expected (", features, ",) (", name,
+                        "'s rows)");
+    }
+  }
+}
+
+void check_activation(const char* op, int64_t activation) {
+  TORCH_CHECK_VALUE(activation == kNone || activation == kRelu || activation == kSigmoid, op, ": activation is ",
+                    activation, "; expected 0 (none), 1 (relu) or 2 (sigmoid)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// cuBLASLt
+
+#define APEX_CUBLAS_CHECK(EXPR)                                                                        \
+  do {                                                                                                 \
+    const cublasStatus_t apex_status = (EXPR);                                                         \
+    TORCH_CHECK(apex_status == CUBLAS_STATUS_SUCCESS, #EXPR " failed: ", cublasLtGetStatusString(apex_status)); \
+  } while (0)
+
+// 32 MiB, what cuBLAS recommends for Hopper; from the caching allocator, so reused across calls.
+constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;
+constexpr uintptr_t kAlignment = 16;
+
+struct MatmulDescDeleter {
+  void operator()(cublasLtMatmulDescOpaque_t* p) const { cublasLtMatmulDescDestroy(p); }
+};
+struct LayoutDeleter {
+  void operator()(cublasLtMatrixLayoutOpaque_t* p) const { cublasLtMatrixLayoutDestroy(p); }
+};
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreferenceOpaque_t* p) const { cublasLtMatmulPreferenceDestroy(p); }
+};
+using MatmulDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter>;
+using Layout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, LayoutDeleter>;
+using Preference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceDeleter>;
+
+Layout layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
+  cublasLtMatrixLayout_t raw = nullptr;
+  APEX_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, type, rows, cols, ld));
+  return Layout(raw);
+}
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
+
+// One GEMM on cuBLASLt, column-major: D (m x n, ld ldd) = op(A) (m x k) * op(B) (k x n), with
+// `epilogue` reading or writing `bias`. Returns false, having done nothing, where cuBLASLt cannot
+// take it (the caller then computes it through ATen).
+struct Gemm {
+  cublasOperation_t transa, transb;
+  int64_t m, n, k;
+  const void* a;
+  int64_t lda;
+  const void* b;
+  int64_t ldb;
+  void* d;
+  int64_t ldd;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+};
+
+class Lt {
+ public:
+  explicit Lt(const at::Tensor& like) : dtype_(like.scalar_type()), device_(like.device()) {
+    switch (dtype_) {
+      case at::kFloat:
+        type_ = CUDA_R_32F;
+        compute_ = at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+        break;
+      case at::kHalf:
+        type_ = CUDA_R_16F;
+        break;
+      case at::kBFloat16:
+        type_ = CUDA_R_16BF;
+        break;
+      default:
+        usable_ = false;  // float64: ATen
+    }
+    element_bytes_ = static_cast<int64_t>(c10::elementSize(dtype_));
+  }
+
+  bool run(const Gemm& g) {
+    if (!usable_ || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+    for (const int64_t ld : {g.lda, g.ldb, g.ldd}) {
+      if (ld * element_bytes_ % static_cast<int64_t>(kAlignment) != 0) return false;
+    }
+    if (!aligned(g.a) || !aligned(g.b) || !aligned(g.d) || (g.bias != nullptr && !aligned(g.bias))) return false;
+
+    cublasLtMatmulDesc_t raw_desc = nullptr;
+    APEX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, compute_, CUDA_R_32F));
+    const MatmulDesc desc(raw_desc);
+    set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, g.transa);
+    set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, g.transb);
+    set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
+    if (g.bias != nullptr) set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+
+    const bool ta = g.transa != CUBLAS_OP_N;
+    const bool tb = g.transb != CUBLAS_OP_N;
+    const Layout a_layout = layout(type_, ta ? g.k : g.m, ta ? g.m : g.k, g.lda);
+    const Layout b_layout = layout(type_, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb);
+    const Layout d_layout = layout(type_, g.m, g.n, g.ldd);
+
+    cublasLtMatmulPreference_t raw_pref = nullptr;
+    APEX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
+    const Preference pref(raw_pref);
+    const uint64_t workspace_bytes = kWorkspaceBytes;
+    const uint32_t alignment = kAlignment;
+    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
+    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment);
+    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment);
+    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment);
+    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment);
+
+    cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+    cublasLtMatmulHeuristicResult_t heuristic = {};
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), a_layout.get(), b_layout.get(),
+                                                                 d_layout.get(), d_layout.get(), pref.get(), 1,
+                                                                 &heuristic, &found);
+    if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+
+    const float alpha = 1.0f;
+    const float beta = 0.0f;
+    APEX_CUBLAS_CHECK(cublasLtMatmul(handle, desc.get(), &alpha, g.a, a_layout.get(), g.b, b_layout.get(), &beta, g.d,
+                                     d_layout.get(), g.d, d_layout.get(), &heuristic.algo, workspace(),
+                                     kWorkspaceBytes, at::cuda::getCurrentCUDAStream()));
+    return true;
+  }
+
+ private:
+  template <typename T>
+  static void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+    APEX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
+  }
+  template <typename T>
+  static void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute,
+                       const T& value) {
+    APEX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)));
+  }
+  void* workspace() {
+    if (!workspace_.defined()) {
+      workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+    }
+    return workspace_.data_ptr();
+  }
+
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  cudaDataType_t type_ = CUDA_R_32F;
+  cublasComputeType_t compute_ = CUBLAS_COMPUTE_32F;
+  bool usable_ = true;
+  int64_t element_bytes_ = 4;
+  at::Tensor workspace_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise kernels: sigmoid in place, and the activation's derivative.
+
+constexpr int kThreads = 256;
+constexpr int kAccessesInFlight = 4;
+template <typename T>
+constexpr int64_t kPerBlock = int64_t{kThreads} * apex::vector_width<T>() * kAccessesInFlight * 4;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) sigmoid_kernel(T* y, int64_t n) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPerBlock<T>;
+  const int64_t count = n - begin < kPerBlock<T> ? n - begin : kPerBlock<T>;
+  T* block_y = y + begin;
+  apex::for_each_element<apex::vector_width<T>(), kAccessesInFlight>(
+      count,
+      [&](auto group) {
+        using Group = decltype(group);
+        float v[Group::kCount][Group::kWidth];
+        group.load(v, block_y);
+        group.for_each_value([&](int i, int j) { v[i][j] = 1.0f / (1.0f + __expf(-v[i][j])); });
+        group.store(block_y, v);
+      },
+      block_y);
+}
+
+// dz = dy * act'(z), from the activation's output y: relu' = (y > 0), sigmoid' = y (1 - y).
+template <typename T, bool kIsRelu>
+__global__ void __launch_bounds__(kThreads) activation_backward_kernel(const T* dy, const T* y, T* dz, int64_t n) {
+  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPerBlock<T>;
+  const int64_t count = n - begin < kPerBlock<T> ? n - begin : kPerBlock<T>;
+  const T* block_dy = dy + begin;
+  const T* block_y = y + begin;
+  T* block_dz = dz + begin;
+  apex::for_each_element<apex::vector_width<T>(), kAccessesInFlight>(
+      count,
+      [&](auto group) {
+        using Group = decltype(group);
+        float g[Group::kCount][Group::kWidth];
+        float v[Group::kCount][Group::kWidth];
+        group.load(g, block_dy);
+        group.load(v, block_y);
+        group.for_each_value([&](int i, int j) {
+          if constexpr (kIsRelu) {
+            g[i][j] = v[i][j] > 0.0f ? g[i][j] : 0.0f;
+          } else {
+            g[i][j] = g[i][j] * v[i][j] * (1.0f - v[i][j]);
+          }
+        });
+        group.store(block_dz, g);
+      },
+      block_dy, block_y, block_dz);
+}
+
+void sigmoid_in_place(at::Tensor& y) {
+  const int64_t n = y.numel();
+  if (n == 0) return;
+  if (y.scalar_type() == at::kDouble) {
+    y.sigmoid_();
+    return;
+  }
+  APEX_DISPATCH_FLOAT_TYPES(y.scalar_type(), "mlp_forward", "input", scalar_t, {
+    const auto blocks = static_cast<unsigned int>(apex::ceil_div(n, kPerBlock<scalar_t>));
+    sigmoid_kernel<scalar_t>
+        <<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(y.mutable_data_ptr<scalar_t>(), n);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor activation_backward(const at::Tensor& dy, const at::Tensor& y, int64_t activation) {
+  if (activation == kNone) return dy;
+  if (y.scalar_type() == at::kDouble) {
+    return activation == kRelu ? at::where(y > 0, dy, at::zeros({}, dy.options())) : dy * y * (1 - y);
+  }
+  at::Tensor dz = at::empty_like(y);
+  const int64_t n = y.numel();
+  if (n == 0) return dz;
+  APEX_DISPATCH_FLOAT_TYPES(y.scalar_type(), "mlp_backward", "input", scalar_t, {
+    const auto blocks = static_cast<unsigned int>(apex::ceil_div(n, kPerBlock<scalar_t>));
+    const auto stream = at::cuda::getCurrentCUDAStream();
+    if (activation == kRelu) {
+      activation_backward_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
+          dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(), n);
+    } else {
+      activation_backward_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
+          dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(), n);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return dz;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ops
+
+std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList weights, at::TensorList biases,
+                                         int64_t activation) {
+  constexpr const char* kOp = "mlp_forward";
+  check_layers(kOp, input, weights, static_cast<int64_t>(biases.size()), biases);
+  check_activation(kOp, activation);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+
+  Lt lt(input);
+  const int64_t batch = input.size(0);
+  const bool bias = !biases.empty();
+  std::vector<at::Tensor> outputs;
+  outputs.reserve(weights.size());
+  at::Tensor y = input;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const int64_t n_in = w.size(1);
+    const int64_t n_out = w.size(0);
+    at::Tensor out = at::empty({batch, n_out}, input.options());
+    cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    if (activation == kRelu) epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    const Gemm gemm{CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    n_out,
+                    batch,
+                    n_in,
+                    w.const_data_ptr(),
+                    n_in,
+                    y.const_data_ptr(),
+                    n_in,
+                    out.mutable_data_ptr(),
+                    n_out,
+                    epilogue,
+                    bias ? biases[i].const_data_ptr() : nullptr};
+    if (!lt.run(gemm)) {
+      if (bias) {
+        at::addmm_out(out, biases[i], y, w.t());
+      } else {
+        at::mm_out(out, y, w.t());
+      }
+      if (activation == kRelu) out.relu_();
+    }
+    if (activation == kSigmoid) sigmoid_in_place(out);
+    outputs.push_back(out);
+    y = out;
+  }
+  return outputs;
+}
+
+std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                          at::TensorList weights, at::TensorList outputs, bool bias,
+                                          int64_t activation, bool input_grad) {
+  constexpr const char* kOp = "mlp_backward";
+  namespace checks = apex::checks;
+  check_layers(kOp, input, weights, bias ? static_cast<int64_t>(weights.size()) : 0, {});
+  check_activation(kOp, activation);
+  const auto layers = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(static_cast<int64_t>(outputs.size()) == layers, kOp, ": outputs has ", outputs.size(),
+                    " tensors; expected ", layers, " (one per layer)");
+  const int64_t batch = input.size(0);
+  for (int64_t i = 0; i < layers; ++i) {
+    const auto name = "outputs[" + std::to_string(i) + "]";
+    check_matrix(kOp, name, outputs[i], 2, input.scalar_type(), input.device());
+    TORCH_CHECK_VALUE(outputs[i].size(0) == batch && outputs[i].size(1) == weights[i].size(0), kOp, ": ", name,
+                      " has shape ", checks::shape_string(outputs[i].sizes()), "; expected (", batch, ", ",
+                      weights[i].size(0), ")");
+  }
+  check_matrix(kOp, "grad_output", grad_output, 2, input.scalar_type(), input.device());
+  TORCH_CHECK_VALUE(grad_output.sizes() == outputs[layers - 1].sizes(), kOp, ": grad_output has shape ",
+                    checks::shape_string(grad_output.sizes()), "; expected ",
+                    checks::shape_string(outputs[layers - 1].sizes()), " (the output's)");
+  const c10::cuda::CUDAGuard device_guard(input.device());
+
+  Lt lt(input);
+  std::vector<at::Tensor> grad_weights(layers);
+  std::vector<at::Tensor> grad_biases(layers);
+  at::Tensor grad = grad_output;
+  for (int64_t i = layers - 1; i >= 0; --i) {
+    const at::Tensor& w = weights[i];
+    const int64_t n_in = w.size(1);
+    const int64_t n_out = w.size(0);
+    const at::Tensor& y_in = i > 0 ? outputs[i - 1] : input;
+    const at::Tensor dz = activation_backward(grad, outputs[i], activation);
+
+    // dW (n_out x n_in, row-major) = dz^T y_in; column-major D (n_in x n_out) = y_in^T-as-stored * dz^T.
+    at::Tensor dw = at::empty_like(w);
+    at::Tensor db = bias ? at::empty({n_out}, w.options()) : at::Tensor();
+    const Gemm wgrad{CUBLAS_OP_N,
+                     CUBLAS_OP_T,
+                     n_in,
+                     n_out,
+                     batch,
+                     y_in.const_data_ptr(),
+                     n_in,
+                     dz.const_data_ptr(),
+                     n_out,
+                     dw.mutable_data_ptr(),
+                     n_in,
+                     bias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT,
+                     bias ? db.mutable_data_ptr() : nullptr};
+    if (!lt.run(wgrad)) {
+      at::mm_out(dw, dz.t(), y_in);
+      const int64_t batch_dim[] = {0};
+      if (bias) at::sum_out(db, dz, batch_dim);
+    }
+    grad_weights[i] = dw;
+    grad_biases[i] = db;
+
+    if (i > 0 || input_grad) {
+      // dy_in (batch x n_in, row-major) = dz w; column-major D (n_in x batch) = w-as-stored * dz-as-stored.
+      at::Tensor dy_in = at::empty({batch, n_in}, input.options());
+      const Gemm dgrad{CUBLAS_OP_N,
+                       CUBLAS_OP_N,
+                       n_in,
+                       batch,
+                       n_out,
+                       w.const_data_ptr(),
+                       n_in,
+                       dz.const_data_ptr(),
+                       n_out,
+                       dy_in.mutable_data_ptr(),
+                       n_in};
+      if (!lt.run(dgrad)) at::mm_out(dy_in, dz, w);
+      grad = dy_in;
+    }
+  }
+  std::vector<at::Tensor> grads;
+  grads.reserve(2 * layers + 1);
+  if (input_grad) grads.push_back(grad);
+  grads.insert(grads.end(), grad_weights.begin(), grad_weights.end());
+  if (bias) grads.insert(grads.end(), grad_biases.begin(), grad_biases.end());
+  return grads;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_mlp, CUDA, m) {
+  m.impl("mlp_forward", &mlp_forward_cuda);
+  m.impl("mlp_backward", &mlp_backward_cuda);
+}
