@@ -1,0 +1,379 @@
+"""FusedDense, FusedDenseGeluDense and their functions against float64, on the CPU and (marked gpu)
+on CUDA: forward and every gradient, any leading shape, sizes 1 / odd / not a multiple of 8,
+initialisation as nn.Linear, bad input naming the argument, opcheck, torch.compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from apex.core import loader
+from apex.fused_dense import (
+    FusedDense,
+    FusedDenseGeluDense,
+    _ops,
+    dense_no_bias_function,
+    fused_dense_function,
+    fused_dense_gelu_dense_function,
+)
+from apex.fused_dense._plugin import KERNELS
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Relative to the largest magnitude of the float64 result; the 16-bit results are rounded once per
+# GEMM (and the GELU's input and output once more), the float32 ones accumulate without TF32.
+TOL = {torch.float64: 1e-12, torch.float32: 3e-5, torch.float16: 6e-3, torch.bfloat16: 5e-2}
+# (rows, in_features, hidden, out_features): ones, odd sizes, sizes that are not multiples of 8
+# (cuBLASLt's alignment: the fallback), and aligned ones (cuBLASLt's epilogues).
+SHAPES = [(1, 1, 1, 1), (7, 5, 3, 9), (33, 17, 40, 6), (64, 128, 96, 32), (257, 64, 256, 128)]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    """float32 GEMMs in full precision: the comparison with float64 needs it."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def randn(shape, dtype, device, scale=1.0, seed=None):
+    gen = torch.Generator().manual_seed(seed if seed is not None else hash(shape) % 1000)
+    return (torch.randn(shape, generator=gen, dtype=torch.float64) * scale).to(device, dtype)
+
+
+def assert_close_to_float64(actual, expected, dtype, name=""):
+    assert actual.dtype == dtype, name
+    tol = TOL[dtype]
+    scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
+    torch.testing.assert_close(actual.double().cpu(), expected.cpu(), rtol=tol, atol=tol * scale, msg=name)
+
+
+def params(shape, dtype, device, bias=True):
+    rows, k, _, n = shape  # one layer: the hidden size is unused
+    x = randn((rows, k), dtype, device, seed=1)
+    w = randn((n, k), dtype, device, k**-0.5, seed=2)
+    b = randn((n,), dtype, device, seed=3) if bias else None
+    return x, w, b
+
+
+def grads(output, inputs, grad):
+    got = torch.autograd.grad(output, [t for t in inputs if t is not None], grad)
+    return list(got)
+
+
+def float64_copies(*tensors):
+    return [None if t is None else t.detach().double().requires_grad_() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_fused_dense_matches_float64(device, dtype, shape, bias):
+    x, w, b = params(shape, dtype, device, bias)
+    x.requires_grad_(), w.requires_grad_()
+    if b is not None:
+        b.requires_grad_()
+    out = fused_dense_function(x, w, b) if bias else dense_no_bias_function(x, w)
+    dy = randn(out.shape, dtype, device, seed=4)
+    got = grads(out, (x, w, b), dy)
+
+    x64, w64, b64 = float64_copies(x, w, b)
+    expected_out = F.linear(x64, w64, b64)
+    expected = grads(expected_out, (x64, w64, b64), dy.double())
+    assert_close_to_float64(out.detach(), expected_out.detach(), dtype, "output")
+    for name, g, e in zip(["d_input", "d_weight", "d_bias"], got, expected):
+        assert_close_to_float64(g, e, dtype, name)
+
+
+def gelu_params(shape, dtype, device):
+    rows, k, hidden, n = shape
+    x = randn((rows, k), dtype, device, seed=1)
+    w1 = randn((hidden, k), dtype, device, k**-0.5, seed=2)
+    b1 = randn((hidden,), dtype, device, seed=3)
+    w2 = randn((n, hidden), dtype, device, hidden**-0.5, seed=4)
+    b2 = randn((n,), dtype, device, seed=5)
+    return x, w1, b1, w2, b2
+
+
+def gelu_dense_float64(x, w1, b1, w2, b2):
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_fused_dense_gelu_dense_matches_float64(device, dtype, shape):
+    inputs = [t.requires_grad_() for t in gelu_params(shape, dtype, device)]
+    out = fused_dense_gelu_dense_function(*inputs)
+    dy = randn(out.shape, dtype, device, seed=6)
+    got = grads(out, inputs, dy)
+
+    inputs64 = float64_copies(*inputs)
+    expected_out = gelu_dense_float64(*inputs64)
+    expected = grads(expected_out, inputs64, dy.double())
+    assert_close_to_float64(out.detach(), expected_out.detach(), dtype, "output")
+    for name, g, e in zip(["d_input", "d_weight1", "d_bias1", "d_weight2", "d_bias2"], got, expected):
+        assert_close_to_float64(g, e, dtype, name)
+
+
+def test_gelu_forward_keeps_the_pre_activation(device):
+    x, w1, b1, w2, b2 = gelu_params((9, 16, 24, 8), torch.float32, device)
+    output1, output2, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    pre = F.linear(x.double(), w1.double(), b1.double())
+    assert_close_to_float64(gelu_in, pre, torch.float32, "gelu_in")
+    assert_close_to_float64(output1, F.gelu(pre, approximate="tanh"), torch.float32, "output1")
+    assert_close_to_float64(output2, gelu_dense_float64(*(t.double() for t in (x, w1, b1, w2, b2))), torch.float32)
+
+
+def test_float64_runs_through_the_reference(device):
+    inputs = [t.requires_grad_() for t in gelu_params((5, 6, 7, 3), torch.float64, device)]
+    out = fused_dense_gelu_dense_function(*inputs)
+    expected = gelu_dense_float64(*inputs)
+    assert_close_to_float64(out.detach(), expected.detach(), torch.float64)
+
+
+@pytest.mark.parametrize("module", ["dense", "dense_no_bias", "gelu"])
+def test_any_leading_shape(device, module):
+    torch.manual_seed(0)
+    layer = {
+        "dense": lambda: FusedDense(12, 5),
+        "dense_no_bias": lambda: FusedDense(12, 5, bias=False),
+        "gelu": lambda: FusedDenseGeluDense(12, 20, 5),
+    }[module]().to(device)
+    x = torch.randn(2, 3, 4, 12, device=device, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (2, 3, 4, 5)
+    dy = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    x2 = x.detach().reshape(24, 12).requires_grad_()
+    out2 = layer(x2)
+    (dx2,) = torch.autograd.grad(out2, x2, dy.reshape(24, 5))
+    torch.testing.assert_close(out.detach().reshape(24, 5), out2.detach())
+    torch.testing.assert_close(dx.reshape(24, 12), dx2)
+    # An empty batch too.
+    assert layer(torch.randn(0, 3, 12, device=device)).shape == (0, 3, 5)
+
+
+def test_fused_dense_function_without_bias_is_the_no_bias_function(device):
+    x, w, _ = params((6, 5, 0, 3), torch.float32, device, bias=False)
+    torch.testing.assert_close(fused_dense_function(x, w, None), dense_no_bias_function(x, w))
+    torch.testing.assert_close(fused_dense_function(x, w, None), F.linear(x, w))
+
+
+def test_non_contiguous_input(device):
+    torch.manual_seed(0)
+    layer = FusedDense(8, 6).to(device)
+    x = torch.randn(8, 10, device=device).t()  # [10, 8], not contiguous
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_parameters_initialised_as_nn_linear():
+    torch.manual_seed(7)
+    linear = nn.Linear(24, 10)
+    torch.manual_seed(7)
+    ours = FusedDense(24, 10)
+    assert torch.equal(ours.weight, linear.weight) and torch.equal(ours.bias, linear.bias)
+    torch.manual_seed(7)
+    first, second = nn.Linear(24, 40), nn.Linear(40, 10)
+    torch.manual_seed(7)
+    gelu = FusedDenseGeluDense(24, 40, 10)
+    for mine, theirs in [(gelu.weight1, first.weight), (gelu.bias1, first.bias)]:
+        assert torch.equal(mine, theirs)
+    for mine, theirs in [(gelu.weight2, second.weight), (gelu.bias2, second.bias)]:
+        assert torch.equal(mine, theirs)
+    assert FusedDense(3, 2, bias=False).bias is None
+    assert [n for n, _ in gelu.named_parameters()] == ["weight1", "bias1", "weight2", "bias2"]
+
+
+def test_module_dtype_and_device_arguments(device):
+    layer = FusedDense(4, 3, device=device, dtype=torch.bfloat16)
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == device
+    assert layer(torch.randn(2, 4, device=device, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_gelu_dense_without_bias_is_refused():
+    with pytest.raises(ValueError, match="bias=False is not supported"):
+        FusedDenseGeluDense(4, 8, 2, bias=False)
+
+
+def _t(shape, dtype=torch.float32):
+    return lambda d: torch.randn(shape, device=d).to(dtype)
+
+
+BAD_INPUT = {  # case: (op, argument makers, error, message)
+    "int input": (
+        "linear_forward",
+        [_t((4, 5), torch.int64), _t((3, 5)), _t((3,))],
+        TypeError,
+        r"input has dtype torch.int64; expected one of float32, float16, bfloat16, float64",
+    ),
+    "weight dtype": (
+        "linear_forward",
+        [_t((4, 5)), _t((3, 5), torch.float16), _t((3,))],
+        TypeError,
+        r"weight has dtype torch.float16 but input has torch.float32",
+    ),
+    "in_features": (
+        "linear_forward",
+        [_t((4, 5)), _t((3, 4)), _t((3,))],
+        ValueError,
+        r"weight.size\(1\) is 4, expected 5 \(input.size\(1\)\)",
+    ),
+    "bias size": (
+        "linear_forward",
+        [_t((4, 5)), _t((3, 5)), _t((2,))],
+        ValueError,
+        r"bias.size\(0\) is 2, expected 3 \(out features\)",
+    ),
+    "3-d input": (
+        "linear_forward",
+        [_t((2, 4, 5)), _t((3, 5)), _t((3,))],
+        ValueError,
+        r"input must be 2-D, got shape \(2, 4, 5\)",
+    ),
+    "non-contiguous weight": (
+        "linear_forward",
+        [_t((4, 5)), lambda d: torch.randn(5, 3, device=d).t(), _t((3,))],
+        ValueError,
+        "weight is not contiguous",
+    ),
+    "grad_output rows": (
+        "linear_backward",
+        [_t((4, 5)), _t((3, 5)), _t((2, 3)), lambda d: True],
+        ValueError,
+        r"grad_output.size\(0\) is 2, expected 4 \(input.size\(0\)\)",
+    ),
+    "weight2 in_features": (
+        "linear_gelu_linear_forward",
+        [_t((4, 5)), _t((8, 5)), _t((8,)), _t((3, 7)), _t((3,))],
+        ValueError,
+        r"weight2.size\(1\) is 7, expected 8 \(weight1.size\(0\)\)",
+    ),
+    "bias2 dtype": (
+        "linear_gelu_linear_forward",
+        [_t((4, 5)), _t((8, 5)), _t((8,)), _t((3, 8)), _t((3,), torch.bfloat16)],
+        TypeError,
+        r"bias2 has dtype torch.bfloat16 but input has torch.float32",
+    ),
+    "gelu_in shape": (
+        "linear_gelu_linear_backward",
+        [_t((4, 5)), _t((4, 7)), _t((4, 8)), _t((8, 5)), _t((3, 8)), _t((4, 3))],
+        ValueError,
+        r"gelu_in.size\(1\) is 7, expected 8 \(weight1.size\(0\)\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_raises_naming_the_argument(device, case):
+    name, makers, error, message = BAD_INPUT[case]
+    with pytest.raises(error, match=f"^{name}: {message}"):
+        getattr(_ops, name)(*(make(device) for make in makers))
+
+
+def test_bad_input_through_the_module(device):
+    with pytest.raises(ValueError, match=r"weight.size\(1\) is 4, expected 6"):
+        FusedDense(4, 3).to(device)(torch.randn(2, 6, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck(device, dtype):
+    x, w1, b1, w2, b2 = gelu_params((9, 16, 24, 8), dtype, device)
+    output1, _, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    dy = randn((9, 8), dtype, device)
+    cases = [
+        (_ops.linear_forward, (x, w1, b1)),
+        (_ops.linear_forward, (x, w1, None)),
+        (_ops.linear_backward, (x, w1, randn((9, 24), dtype, device), True)),
+        (_ops.linear_backward, (x, w1, randn((9, 24), dtype, device), False)),
+        (_ops.linear_gelu_linear_forward, (x, w1, b1, w2, b2)),
+        (_ops.linear_gelu_linear_backward, (x, gelu_in, output1, w1, w2, dy)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    torch.manual_seed(0)
+    model = nn.Sequential(FusedDense(16, 32), FusedDenseGeluDense(32, 64, 8), FusedDense(8, 4, bias=False)).to(device)
+
+    def loss(x):
+        return model(x).square().sum()
+
+    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
+    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(3, 5, 16, device=device)
+    results = []
+    for fn in (loss, compiled):
+        value = fn(x)
+        results.append((value.detach(), *torch.autograd.grad(value, list(model.parameters()))))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_is_loaded():
+    status = loader.load(KERNELS)
+    assert status.has_kernels, f"{KERNELS.name}: tier {status.tier} ({status.reason})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_unaligned_tensors_take_the_fallback_correctly(dtype):
+    # Every tensor one element into its storage: cuBLASLt's heuristic gets 2-byte alignment.
+    def shifted(t):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = storage[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    inputs = [shifted(t).requires_grad_() for t in gelu_params((64, 128, 96, 32), dtype, "cuda")]
+    out = fused_dense_gelu_dense_function(*inputs)
+    dy = randn(out.shape, dtype, "cuda")
+    got = grads(out, inputs, dy)
+    inputs64 = float64_copies(*inputs)
+    expected_out = gelu_dense_float64(*inputs64)
+    assert_close_to_float64(out.detach(), expected_out.detach(), dtype)
+    for g, e in zip(got, grads(expected_out, inputs64, dy.double())):
+        assert_close_to_float64(g, e, dtype)
+
+
+@pytest.mark.gpu
+def test_autocast_runs_in_the_autocast_dtype():
+    layer = FusedDenseGeluDense(32, 64, 16).cuda()
+    x = torch.randn(8, 32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    expected = gelu_dense_float64(*(t.detach().bfloat16().double() for t in (x, *layer.parameters())))
+    assert_close_to_float64(out.detach(), expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_runs_on_the_current_stream():
+    x, w1, b1, w2, b2 = gelu_params((512, 256, 1024, 256), torch.bfloat16, "cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fresh = x * 1.0  # written on the side stream just before the op reads it
+        out = fused_dense_gelu_dense_function(fresh, w1, b1, w2, b2)
+    torch.cuda.current_stream().wait_stream(side)
+    expected = gelu_dense_float64(*(t.double() for t in (x, w1, b1, w2, b2)))
+    assert_close_to_float64(out, expected, torch.bfloat16)
+
+
+@pytest.mark.multigpu
+def test_second_gpu():
+    # cuda:0 is current; the tensors live on cuda:1.
+    inputs = [t.requires_grad_() for t in gelu_params((64, 128, 96, 32), torch.bfloat16, "cuda:1")]
+    out = fused_dense_gelu_dense_function(*inputs)
+    dy = randn(out.shape, torch.bfloat16, "cuda:1")
+    got = grads(out, inputs, dy)
+    inputs64 = float64_copies(*inputs)
+    expected_out = gelu_dense_float64(*inputs64)
+    assert out.device == inputs[0].device
+    assert_close_to_float64(out.detach(), expected_out.detach(), torch.bfloat16)
+    for g, e in zip(got, grads(expected_out, inputs64, dy.double())):
+        assert_close_to_float64(g, e, torch.bfloat16)
