@@ -29,7 +29,7 @@ def _layers(bias, inputs):
 
 def forward(bias, activation, inputs):
     input, weights, biases = _layers(bias, inputs)
-    outputs = _ops.mlp_forward(input, weights, biases, int(activation))
+    outputs = _ops.mlp_forward(input, weights, biases, int(activation))[: len(weights)]
     reserved = outputs[0].new_empty((sum(y.numel() for y in outputs),))
     offset = 0
     for y in outputs:
@@ -46,4 +46,4 @@ def backward(bias, activation, grad_o, fwd_outputs, inputs):
         numel = input.shape[0] * w.shape[0]
         outputs.append(reserved[offset : offset + numel].view(input.shape[0], w.shape[0]))
         offset += numel
-    return _ops.mlp_backward(grad_o.contiguous(), input, weights, outputs, bool(bias), int(activation), True)
+    return _ops.mlp_backward(grad_o.contiguous(), input, weights, outputs, [], bool(bias), int(activation), True)

@@ -1,6 +1,7 @@
 """apex_mlp's two ops against float64, on the CPU and (marked gpu) on CUDA: the output and every
 gradient, each activation, with and without bias, sizes of 1, odd and not a multiple of 8 (where
-cuBLASLt's alignment rules send a GEMM to the fallback), bad input, opcheck and torch.compile."""
+cuBLASLt's alignment rules send a GEMM to the fallback), the relu masks' bit layout, bad input,
+opcheck and torch.compile."""
 
 from __future__ import annotations
 
@@ -60,6 +61,13 @@ def float64_mlp(x, weights, biases, activation):
     return y, x, params
 
 
+def mask_bits(mask, features):
+    """A relu mask's bits as bool ``[rows, features]`` (feature f: bit f % 8 of byte f // 8)."""
+    place = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=mask.device)
+    bits = (mask.unsqueeze(-1) & place) != 0
+    return bits.flatten(1)[:, :features]
+
+
 def poison_allocator(like_shapes, dtype, device):
     """Leave NaNs in freed blocks of the outputs' sizes: elements the op does not write show up."""
     for shape in like_shapes:
@@ -82,11 +90,12 @@ def tolerance(dtype, depth):
 def run_ops(tensors, layers, bias, activation, input_grad=True, grad_output=None):
     x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
     outputs = _ops.mlp_forward(x, weights, biases, activation)
+    outputs, masks = outputs[:layers], outputs[layers:]
     if grad_output is None:
         grad_output = torch.randn(outputs[-1].shape, dtype=torch.float64).to(x.dtype).to(x.device)
     poison_allocator([x.shape, *(w.shape for w in weights)], x.dtype, x.device)
-    grads = _ops.mlp_backward(grad_output, x, weights, outputs, bias, activation, input_grad)
-    return outputs, grad_output, grads
+    grads = _ops.mlp_backward(grad_output, x, weights, outputs, masks, bias, activation, input_grad)
+    return outputs, grad_output, grads, masks
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -97,8 +106,11 @@ def test_forward_and_every_gradient_match_float64(device, dtype, activation, bia
     batch, sizes = shape
     tensors, layers = make_layers(batch, sizes, dtype, device, bias)
     code = ACTIVATIONS[activation]
-    outputs, grad_output, grads = run_ops(tensors, layers, bias, code)
+    outputs, grad_output, grads, masks = run_ops(tensors, layers, bias, code)
     assert len(outputs) == layers and len(grads) == 1 + layers * (2 if bias else 1)
+    assert len(masks) == (layers - 1 if activation == "relu" else 0)
+    for y, mask in zip(outputs, masks):  # on CUDA: cuBLASLt's RELU_AUX layout is the documented one
+        assert torch.equal(mask_bits(mask, y.shape[1]), y > 0)
 
     x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
     expected, x64, params64 = float64_mlp(x, weights, biases, code)
@@ -114,8 +126,8 @@ def test_forward_and_every_gradient_match_float64(device, dtype, activation, bia
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_without_the_input_gradient(device, dtype):
     tensors, layers = make_layers(9, [24, 16, 8], dtype, device)
-    outputs, grad_output, with_input = run_ops(tensors, layers, True, 1)
-    without = _ops.mlp_backward(grad_output, tensors[0], tensors[1:3], outputs, True, 1, False)
+    outputs, grad_output, with_input, masks = run_ops(tensors, layers, True, 1)
+    without = _ops.mlp_backward(grad_output, tensors[0], tensors[1:3], outputs, masks, True, 1, False)
     assert len(without) == len(with_input) - 1
     for got, want in zip(without, with_input[1:]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -125,7 +137,7 @@ def test_without_the_input_gradient(device, dtype):
 def test_unaligned_input(device, dtype):
     # The input one element into its storage: not 16-byte aligned, so cuBLASLt cannot take its GEMMs.
     tensors, layers = make_layers(40, [64, 32, 16], dtype, device, input_offset=1)
-    outputs, grad_output, grads = run_ops(tensors, layers, True, 1)
+    outputs, grad_output, grads, _ = run_ops(tensors, layers, True, 1)
     expected, x64, params64 = float64_mlp(tensors[0], tensors[1:3], tensors[3:], 1)
     expected_grads = torch.autograd.grad(expected, [x64, *params64], grad_output.double().cpu())
     assert relative_error(outputs[-1], expected) <= tolerance(dtype, layers)
@@ -137,7 +149,7 @@ def test_unaligned_input(device, dtype):
 def test_empty_batch(device, dtype):
     # No rows: empty outputs and input gradient, zero parameter gradients.
     tensors, layers = make_layers(0, [64, 32, 16], dtype, device)
-    outputs, _, grads = run_ops(tensors, layers, True, 1)
+    outputs, _, grads, _ = run_ops(tensors, layers, True, 1)
     assert [tuple(y.shape) for y in outputs] == [(0, 32), (0, 16)]
     assert [tuple(g.shape) for g in grads] == [(0, 64), (32, 64), (16, 32), (32,), (16,)]
     assert all(bool((g == 0).all()) for g in grads[1:])
@@ -178,13 +190,18 @@ def test_bad_input_raises_naming_the_argument(device, case):
 def test_backward_bad_input_names_the_argument(device):
     tensors, _ = make_layers(5, [6, 4, 3], torch.float32, device)
     x, weights = tensors[0], tensors[1:3]
-    outputs = _ops.mlp_forward(x, weights, tensors[3:], 1)
+    outputs = _ops.mlp_forward(x, weights, tensors[3:], 1)[:2]
     with pytest.raises(ValueError, match=r"^mlp_backward: grad_output has shape \(5, 4\); expected \(5, 3\)"):
-        _ops.mlp_backward(torch.ones(5, 4, device=device), x, weights, outputs, True, 1, True)
+        _ops.mlp_backward(torch.ones(5, 4, device=device), x, weights, outputs, [], True, 1, True)
     with pytest.raises(ValueError, match=r"^mlp_backward: outputs has 1 tensors; expected 2"):
-        _ops.mlp_backward(outputs[-1], x, weights, outputs[1:], True, 1, True)
+        _ops.mlp_backward(outputs[-1], x, weights, outputs[1:], [], True, 1, True)
     with pytest.raises(ValueError, match=r"^mlp_backward: outputs\[0\] has shape \(5, 3\); expected \(5, 4\)"):
-        _ops.mlp_backward(outputs[-1], x, weights, [outputs[1], outputs[1]], True, 1, True)
+        _ops.mlp_backward(outputs[-1], x, weights, [outputs[1], outputs[1]], [], True, 1, True)
+    bad_mask = torch.zeros(5, 2, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"^mlp_backward: masks\[0\] has shape \(5, 2\); expected \(5, 16\)"):
+        _ops.mlp_backward(outputs[-1], x, weights, outputs, [bad_mask], True, 1, True)
+    with pytest.raises(ValueError, match=r"^mlp_backward: masks has 2 tensors; expected 0 or 1"):
+        _ops.mlp_backward(outputs[-1], x, weights, outputs, [bad_mask, bad_mask], True, 1, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -194,8 +211,11 @@ def test_opcheck(device, dtype, bias):
     x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
     torch.library.opcheck(torch.ops.apex_mlp.mlp_forward.default, (x, weights, biases, 2))
     outputs = _ops.mlp_forward(x, weights, biases, 1)
+    outputs, masks = outputs[:layers], outputs[layers:]
     grad_output = torch.randn_like(outputs[-1])
-    torch.library.opcheck(torch.ops.apex_mlp.mlp_backward.default, (grad_output, x, weights, outputs, bias, 1, True))
+    torch.library.opcheck(
+        torch.ops.apex_mlp.mlp_backward.default, (grad_output, x, weights, outputs, masks, bias, 1, True)
+    )
 
 
 @pytest.mark.slow
@@ -245,7 +265,7 @@ def test_runs_on_the_current_stream():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         x = source * 1.0
-        out = _ops.mlp_forward(x, params[:2], params[2:], 1)[-1]
+        out = _ops.mlp_forward(x, params[:2], params[2:], 1)[1]
     torch.cuda.current_stream().wait_stream(side)
     expected, _, _ = float64_mlp(source, params[:2], params[2:], 1)
     assert relative_error(out, expected) <= tolerance(torch.bfloat16, 2)
@@ -255,7 +275,7 @@ def test_runs_on_the_current_stream():
 def test_second_gpu():
     # cuda:0 is current; the tensors live on cuda:1.
     tensors, layers = make_layers(64, [64, 32, 16], torch.bfloat16, "cuda:1")
-    outputs, _, grads = run_ops(tensors, layers, True, 1)
+    outputs, _, grads, _ = run_ops(tensors, layers, True, 1)
     assert outputs[-1].device == grads[0].device == tensors[0].device
     expected, _, _ = float64_mlp(tensors[0], tensors[1:3], tensors[3:], 1)
     assert relative_error(outputs[-1], expected) <= tolerance(torch.bfloat16, 2)

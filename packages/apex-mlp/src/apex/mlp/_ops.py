@@ -3,12 +3,15 @@
 Two ops carry a whole multi-layer perceptron (``y_i = act(y_{i-1} @ w_i^T + b_i)``, the activation
 after every layer, the last included, as upstream Apex):
 
-- ``mlp_forward(input, weights, biases, activation) -> Tensor[]``: every layer's output, the last
-  one being the MLP's output. These are exactly what the backward needs besides the parameters
-  (the next layer's weight gradient reads a layer's output; the activation derivative is a
-  function of the output: relu's is ``y > 0``, sigmoid's ``y * (1 - y)``).
-- ``mlp_backward(grad_output, input, weights, outputs, bias, activation, input_grad) -> Tensor[]``:
-  ``[grad_input (only with input_grad), *grad_weights, *grad_biases (only with bias)]``.
+- ``mlp_forward(input, weights, biases, activation) -> Tensor[]``: every layer's output (the last
+  one is the MLP's output), then, with relu, one bit mask per hidden layer (see :func:`relu_mask`).
+  These are what the backward needs besides the parameters: the next layer's weight gradient reads
+  a layer's output, and the activation derivative is a function of the output (relu's ``y > 0``,
+  sigmoid's ``y * (1 - y)``). The masks let the CUDA backward apply relu's derivative inside the
+  previous GEMM's epilogue (cuBLASLt's ``DRELU_BGRAD``), where the references read the outputs.
+- ``mlp_backward(grad_output, input, weights, outputs, masks, bias, activation, input_grad) -> Tensor[]``:
+  ``[grad_input (only with input_grad), *grad_weights, *grad_biases (only with bias)]``; ``masks``
+  is the forward's, or empty.
 
 How an op is written: ``apex.core.library``. The CUDA kernels (``csrc/mlp.cu``) make the same
 checks with the same words.
@@ -29,7 +32,8 @@ _DTYPE_NAMES = "float32, float16, bfloat16, float64"
 
 def _check_matrix(a, name: str, t: torch.Tensor, dim: int, dtype, device) -> None:
     if t.dtype != dtype:
-        raise TypeError(f"{a.op}: {name} has dtype {t.dtype}; expected {dtype} (the input's)")
+        whose = "" if dtype == torch.uint8 else " (the input's)"
+        raise TypeError(f"{a.op}: {name} has dtype {t.dtype}; expected {dtype}{whose}")
     if t.layout != torch.strided:
         raise ValueError(f"{a.op}: {name} has layout {t.layout}; only dense (strided) tensors are supported")
     if t.device != device:
@@ -77,8 +81,31 @@ def _check_forward(a) -> None:
     _check_activation(a)
 
 
+def mask_bytes(features: int) -> int:
+    """Bytes per row of a relu mask: one bit per feature, rows padded to 128 bits (cuBLASLt's rule)."""
+    return -(-features // 128) * 16
+
+
+def relu_mask(y: torch.Tensor) -> torch.Tensor:
+    """``y > 0`` as bits, uint8 ``[rows, mask_bytes(features)]``: feature ``f`` of a row is bit
+    ``f % 8`` of byte ``f // 8``; the padding bits are 0. cuBLASLt's ``RELU_AUX`` epilogues write
+    this layout (a column-major bit matrix, features by rows, leading dimension a multiple of 128)."""
+    rows, features = y.shape
+    bits = torch.zeros((rows, mask_bytes(features) * 8), dtype=torch.uint8, device=y.device)
+    bits[:, :features] = y > 0
+    place = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=y.device)
+    return (bits.view(rows, mask_bytes(features), 8) * place).sum(-1, dtype=torch.uint8)
+
+
+def _mask_count(activation: int, layers: int) -> int:
+    return layers - 1 if activation == ACTIVATIONS["relu"] else 0
+
+
 def _forward_fake(a):
-    return [a.input.new_empty((a.input.shape[0], w.shape[0])) for w in a.weights]
+    rows = a.input.shape[0]
+    outputs = [a.input.new_empty((rows, w.shape[0])) for w in a.weights]
+    hidden = a.weights[: _mask_count(a.activation, len(a.weights))]
+    return outputs + [a.input.new_empty((rows, mask_bytes(w.shape[0])), dtype=torch.uint8) for w in hidden]
 
 
 def _activate(z: torch.Tensor, activation: int) -> torch.Tensor:
@@ -102,7 +129,7 @@ def mlp_forward(a):
         z = torch.addmm(a.biases[i], y, w.t()) if a.biases else y @ w.t()
         y = _activate(z, a.activation)
         outputs.append(y)
-    return outputs
+    return outputs + [relu_mask(y) for y in outputs[: _mask_count(a.activation, len(outputs))]]
 
 
 def _check_backward(a) -> None:
@@ -116,6 +143,16 @@ def _check_backward(a) -> None:
         _check_matrix(a, f"outputs[{i}]", y, 2, a.input.dtype, a.input.device)
         if tuple(y.shape) != (rows, w.shape[0]):
             raise ValueError(f"{a.op}: outputs[{i}] has shape {tuple(y.shape)}; expected {(rows, w.shape[0])}")
+    if len(a.masks) not in (0, _mask_count(a.activation, len(a.weights))):
+        raise ValueError(
+            f"{a.op}: masks has {len(a.masks)} tensors; expected 0 or "
+            f"{_mask_count(a.activation, len(a.weights))} (one per hidden layer with relu)"
+        )
+    for i, mask in enumerate(a.masks):
+        _check_matrix(a, f"masks[{i}]", mask, 2, torch.uint8, a.input.device)
+        expected = (rows, mask_bytes(a.weights[i].shape[0]))
+        if tuple(mask.shape) != expected:
+            raise ValueError(f"{a.op}: masks[{i}] has shape {tuple(mask.shape)}; expected {expected}")
     _check_matrix(a, "grad_output", a.grad_output, 2, a.input.dtype, a.input.device)
     if a.grad_output.shape != a.outputs[-1].shape:
         raise ValueError(
@@ -144,7 +181,7 @@ def _activation_backward(grad: torch.Tensor, y: torch.Tensor, activation: int) -
 
 @op(
     KERNELS,
-    "mlp_backward(Tensor grad_output, Tensor input, Tensor[] weights, Tensor[] outputs, bool bias, "
+    "mlp_backward(Tensor grad_output, Tensor input, Tensor[] weights, Tensor[] outputs, Tensor[] masks, bool bias, "
     "int activation, bool input_grad) -> Tensor[]",
     check=_check_backward,
     fake=_backward_fake,
@@ -179,18 +216,22 @@ def _split(bias: bool, parameters):
 def _setup_context(ctx, inputs, outputs) -> None:
     bias, activation, input, *parameters = inputs
     weights, _ = _split(bias, parameters)
-    ctx.bias, ctx.activation, ctx.layers = bias, activation, len(weights)
+    layers = len(weights)
+    ctx.bias, ctx.activation, ctx.layers = bias, activation, layers
     ctx.input_grad = input.requires_grad
-    # Only the last output is the MLP's; the hidden ones are saved for the backward alone.
-    ctx.mark_non_differentiable(*outputs[:-1])
+    # Only the last layer's output is the MLP's; the hidden outputs and masks are for the backward.
+    ctx.mark_non_differentiable(*outputs[: layers - 1], *outputs[layers:])
     ctx.save_for_backward(input, *weights, *outputs)
 
 
 def _backward(ctx, *grad_outputs):
-    grad_output = grad_outputs[-1]  # the hidden outputs' gradients are None: they are not differentiable
+    layers = ctx.layers
+    grad_output = grad_outputs[layers - 1]  # the others are of non-differentiable outputs
     input, *rest = ctx.saved_tensors
-    weights, outputs = rest[: ctx.layers], rest[ctx.layers :]
-    grads = mlp_backward(grad_output.contiguous(), input, weights, outputs, ctx.bias, ctx.activation, ctx.input_grad)
+    weights, outputs, masks = rest[:layers], rest[layers : 2 * layers], rest[2 * layers :]
+    grads = mlp_backward(
+        grad_output.contiguous(), input, weights, outputs, masks, ctx.bias, ctx.activation, ctx.input_grad
+    )
     grad_input = grads.pop(0) if ctx.input_grad else None
     return None, None, grad_input, *grads
 
@@ -200,4 +241,5 @@ _differentiable_forward = autograd(_forward, _setup_context, _backward, "Mlp")
 
 def mlp(bias: bool, activation: int, input: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
     """The MLP's output: ``parameters`` are the weights, then (with ``bias``) the biases."""
-    return _differentiable_forward(bool(bias), int(activation), input, *parameters)[-1]
+    outputs = _differentiable_forward(bool(bias), int(activation), input, *parameters)
+    return outputs[len(parameters) // 2 - 1 if bias else len(parameters) - 1]

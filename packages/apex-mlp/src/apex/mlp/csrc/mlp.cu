@@ -3,12 +3,15 @@
 //
 // Each GEMM goes through cuBLASLt (the handle PyTorch keeps for the current device, the current
 // stream, a workspace from PyTorch's caching allocator) with its epilogue doing what follows it:
-// forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS), sigmoid by a small element-wise
-// kernel after the bias epilogue; backward: the bias gradient in the weight-gradient GEMM
-// (CUBLASLT_EPILOGUE_BGRADB), the activation derivative by an element-wise kernel reading the
-// layer's output (relu: y > 0, sigmoid: y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading
-// dimension or pointer not 16-byte aligned, an empty dimension, float64, or no algorithm for the
-// epilogue), that GEMM and its epilogue go through ATen instead: every shape works.
+// forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS; RELU_AUX_BIAS for hidden layers, which
+// also writes the bit mask of y > 0 that the backward reads), sigmoid by a small element-wise kernel
+// after the bias epilogue; backward: the bias gradient in the weight-gradient GEMM
+// (CUBLASLT_EPILOGUE_BGRADB), relu's derivative and the previous layer's bias gradient in the
+// input-gradient GEMM (CUBLASLT_EPILOGUE_DRELU_BGRAD, reading the mask), otherwise the activation
+// derivative by an element-wise kernel reading the layer's output (relu: y > 0, sigmoid:
+// y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading dimension or pointer not 16-byte
+// aligned, an empty dimension, float64, no algorithm for the epilogue), that GEMM and its epilogue
+// go through ATen and small kernels instead: every shape works.
 //
 // Row-major [rows, cols] is column-major [cols, rows]; so y = x w^T is, in cuBLASLt's terms,
 // D (n_out x batch) = op_T(w) (n_out x n_in) * x (n_in x batch).
@@ -20,6 +23,7 @@
 #include <cublasLt.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -36,6 +40,12 @@ constexpr int64_t kNone = 0;
 constexpr int64_t kRelu = 1;
 constexpr int64_t kSigmoid = 2;
 
+// Bytes per row of a relu mask: one bit per feature, rows padded to 128 bits (cuBLASLt's rule for
+// the leading dimension of a bit-mask auxiliary matrix). Feature f of a row is bit f % 8 of byte f / 8.
+int64_t mask_bytes(int64_t features) { return (features + 127) / 128 * 16; }
+
+int64_t mask_count(int64_t activation, int64_t layers) { return activation == kRelu ? layers - 1 : 0; }
+
 // ---------------------------------------------------------------------------------------------
 // Checks (the same words as _ops.py)
 
@@ -43,7 +53,7 @@ void check_matrix(const char* op, const std::string& name, const at::Tensor& t, 
                   c10::ScalarType dtype, c10::Device device) {
   namespace checks = apex::checks;
   TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", name, " has dtype ", checks::torch_dtype(t.scalar_type()),
-                   "; expected ", checks::torch_dtype(dtype), " (the input's)");
+                   "; expected ", checks::torch_dtype(dtype), dtype == at::kByte ? "" : " (the input's)");
   checks::placed(op, name.c_str(), t, device);
   TORCH_CHECK_VALUE(t.dim() == dim, op, ": ", name, " must be ", dim, "-D, got shape ",
                     checks::shape_string(t.sizes()));
@@ -115,6 +125,7 @@ Layout layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
   return Layout(raw);
 }
 
+// (null counts as aligned: an absent operand)
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
 
 // One GEMM on cuBLASLt, column-major: D (m x n, ld ldd) = op(A) (m x k) * op(B) (k x n), with
@@ -131,6 +142,8 @@ struct Gemm {
   int64_t ldd;
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
   const void* bias = nullptr;
+  void* aux = nullptr;  // a relu bit mask, m x n column-major bits, aux_ld bits per column
+  int64_t aux_ld = 0;
 };
 
 class Lt {
@@ -158,7 +171,7 @@ class Lt {
     for (const int64_t ld : {g.lda, g.ldb, g.ldd}) {
       if (ld * element_bytes_ % static_cast<int64_t>(kAlignment) != 0) return false;
     }
-    if (!aligned(g.a) || !aligned(g.b) || !aligned(g.d) || (g.bias != nullptr && !aligned(g.bias))) return false;
+    if (!aligned(g.a) || !aligned(g.b) || !aligned(g.d) || !aligned(g.bias) || !aligned(g.aux)) return false;
 
     cublasLtMatmulDesc_t raw_desc = nullptr;
     APEX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, compute_, CUDA_R_32F));
@@ -167,6 +180,10 @@ class Lt {
     set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, g.transb);
     set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
     if (g.bias != nullptr) set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    if (g.aux != nullptr) {
+      set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
+      set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
+    }
 
     const bool ta = g.transa != CUBLAS_OP_N;
     const bool tb = g.transb != CUBLAS_OP_N;
@@ -195,10 +212,10 @@ class Lt {
 
     const float alpha = 1.0f;
     const float beta = 0.0f;
-    APEX_CUBLAS_CHECK(cublasLtMatmul(handle, desc.get(), &alpha, g.a, a_layout.get(), g.b, b_layout.get(), &beta, g.d,
-                                     d_layout.get(), g.d, d_layout.get(), &heuristic.algo, workspace(),
-                                     kWorkspaceBytes, at::cuda::getCurrentCUDAStream()));
-    return true;
+    // A configuration cuBLASLt refuses at launch (it checks before queuing any work) also falls back.
+    return cublasLtMatmul(handle, desc.get(), &alpha, g.a, a_layout.get(), g.b, b_layout.get(), &beta, g.d,
+                          d_layout.get(), g.d, d_layout.get(), &heuristic.algo, workspace(), kWorkspaceBytes,
+                          at::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
   }
 
  private:
@@ -280,6 +297,41 @@ __global__ void __launch_bounds__(kThreads) activation_backward_kernel(const T* 
       block_dy, block_y, block_dz);
 }
 
+// The relu mask of y where cuBLASLt did not write it (one thread per mask byte).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    relu_mask_kernel(const T* y, uint8_t* mask, int64_t rows, int64_t features, int64_t row_bytes) {
+  const int64_t total = rows * row_bytes;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int64_t row = i / row_bytes;
+    const int64_t first = i % row_bytes * 8;
+    uint8_t bits = 0;
+    for (int k = 0; k < 8 && first + k < features; ++k) {
+      if (static_cast<float>(y[row * features + first + k]) > 0.0f) bits |= static_cast<uint8_t>(1u << k);
+    }
+    mask[i] = bits;
+  }
+}
+
+void write_relu_mask(const at::Tensor& y, at::Tensor& mask) {
+  const int64_t total = mask.numel();
+  if (total == 0) return;
+  const auto blocks = static_cast<unsigned int>(std::min<int64_t>(apex::ceil_div(total, kThreads), 1 << 16));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto* typed_y) {
+    relu_mask_kernel<<<blocks, kThreads, 0, stream>>>(typed_y, mask.mutable_data_ptr<uint8_t>(), y.size(0),
+                                                      y.size(1), mask.size(1));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (y.scalar_type() == at::kDouble) {
+    launch(y.const_data_ptr<double>());
+  } else {
+    APEX_DISPATCH_FLOAT_TYPES(y.scalar_type(), "mlp_forward", "input", scalar_t,
+                              { launch(y.const_data_ptr<scalar_t>()); });
+  }
+}
+
 void sigmoid_in_place(at::Tensor& y) {
   const int64_t n = y.numel();
   if (n == 0) return;
@@ -331,16 +383,24 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
   Lt lt(input);
   const int64_t batch = input.size(0);
   const bool bias = !biases.empty();
+  const auto layers = static_cast<int64_t>(weights.size());
+  const int64_t masks = mask_count(activation, layers);
   std::vector<at::Tensor> outputs;
-  outputs.reserve(weights.size());
+  outputs.reserve(layers + masks);
+  std::vector<at::Tensor> mask_tensors;
   at::Tensor y = input;
-  for (size_t i = 0; i < weights.size(); ++i) {
+  for (int64_t i = 0; i < layers; ++i) {
     const at::Tensor& w = weights[i];
     const int64_t n_in = w.size(1);
     const int64_t n_out = w.size(0);
     at::Tensor out = at::empty({batch, n_out}, input.options());
+    at::Tensor mask;
     cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     if (activation == kRelu) epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    if (i < masks) {
+      mask = at::empty({batch, mask_bytes(n_out)}, input.options().dtype(at::kByte));
+      epilogue = bias ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS : CUBLASLT_EPILOGUE_RELU_AUX;
+    }
     const Gemm gemm{CUBLAS_OP_T,
                     CUBLAS_OP_N,
                     n_out,
@@ -353,7 +413,9 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
                     out.mutable_data_ptr(),
                     n_out,
                     epilogue,
-                    bias ? biases[i].const_data_ptr() : nullptr};
+                    bias ? biases[i].const_data_ptr() : nullptr,
+                    mask.defined() ? mask.mutable_data_ptr() : nullptr,
+                    mask_bytes(n_out) * 8};
     if (!lt.run(gemm)) {
       if (bias) {
         at::addmm_out(out, biases[i], y, w.t());
@@ -361,17 +423,20 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
         at::mm_out(out, y, w.t());
       }
       if (activation == kRelu) out.relu_();
+      if (mask.defined()) write_relu_mask(out, mask);
     }
     if (activation == kSigmoid) sigmoid_in_place(out);
     outputs.push_back(out);
+    if (mask.defined()) mask_tensors.push_back(mask);
     y = out;
   }
+  outputs.insert(outputs.end(), mask_tensors.begin(), mask_tensors.end());
   return outputs;
 }
 
 std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
-                                          at::TensorList weights, at::TensorList outputs, bool bias,
-                                          int64_t activation, bool input_grad) {
+                                          at::TensorList weights, at::TensorList outputs, at::TensorList masks,
+                                          bool bias, int64_t activation, bool input_grad) {
   constexpr const char* kOp = "mlp_backward";
   namespace checks = apex::checks;
   check_layers(kOp, input, weights, bias ? static_cast<int64_t>(weights.size()) : 0, {});
@@ -387,6 +452,16 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
                       " has shape ", checks::shape_string(outputs[i].sizes()), "; expected (", batch, ", ",
                       weights[i].size(0), ")");
   }
+  const int64_t expected_masks = mask_count(activation, layers);
+  TORCH_CHECK_VALUE(masks.empty() || static_cast<int64_t>(masks.size()) == expected_masks, kOp, ": masks has ",
+                    masks.size(), " tensors; expected 0 or ", expected_masks, " (one per hidden layer with relu)");
+  for (size_t i = 0; i < masks.size(); ++i) {
+    const auto name = "masks[" + std::to_string(i) + "]";
+    check_matrix(kOp, name, masks[i], 2, at::kByte, input.device());
+    const int64_t row_bytes = mask_bytes(weights[i].size(0));
+    TORCH_CHECK_VALUE(masks[i].size(0) == batch && masks[i].size(1) == row_bytes, kOp, ": ", name, " has shape ",
+                      checks::shape_string(masks[i].sizes()), "; expected (", batch, ", ", row_bytes, ")");
+  }
   check_matrix(kOp, "grad_output", grad_output, 2, input.scalar_type(), input.device());
   TORCH_CHECK_VALUE(grad_output.sizes() == outputs[layers - 1].sizes(), kOp, ": grad_output has shape ",
                     checks::shape_string(grad_output.sizes()), "; expected ",
@@ -397,16 +472,21 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
   std::vector<at::Tensor> grad_weights(layers);
   std::vector<at::Tensor> grad_biases(layers);
   at::Tensor grad = grad_output;
+  // Whether `grad` already went through this layer's activation derivative (a DRELU epilogue), and
+  // the bias gradient that epilogue computed.
+  bool grad_is_dz = false;
+  at::Tensor fused_db;
   for (int64_t i = layers - 1; i >= 0; --i) {
     const at::Tensor& w = weights[i];
     const int64_t n_in = w.size(1);
     const int64_t n_out = w.size(0);
     const at::Tensor& y_in = i > 0 ? outputs[i - 1] : input;
-    const at::Tensor dz = activation_backward(grad, outputs[i], activation);
+    const at::Tensor dz = grad_is_dz ? grad : activation_backward(grad, outputs[i], activation);
+    const bool db_done = grad_is_dz && bias;
 
     // dW (n_out x n_in, row-major) = dz^T y_in; column-major D (n_in x n_out) = y_in^T-as-stored * dz^T.
     at::Tensor dw = at::empty_like(w);
-    at::Tensor db = bias ? at::empty({n_out}, w.options()) : at::Tensor();
+    at::Tensor db = db_done ? fused_db : bias ? at::empty({n_out}, w.options()) : at::Tensor();
     const Gemm wgrad{CUBLAS_OP_N,
                      CUBLAS_OP_T,
                      n_in,
@@ -418,19 +498,24 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
                      n_out,
                      dw.mutable_data_ptr(),
                      n_in,
-                     bias ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT,
-                     bias ? db.mutable_data_ptr() : nullptr};
+                     bias && !db_done ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT,
+                     bias && !db_done ? db.mutable_data_ptr() : nullptr};
     if (!lt.run(wgrad)) {
       at::mm_out(dw, dz.t(), y_in);
       const int64_t batch_dim[] = {0};
-      if (bias) at::sum_out(db, dz, batch_dim);
+      if (bias && !db_done) at::sum_out(db, dz, batch_dim);
     }
     grad_weights[i] = dw;
     grad_biases[i] = db;
 
     if (i > 0 || input_grad) {
       // dy_in (batch x n_in, row-major) = dz w; column-major D (n_in x batch) = w-as-stored * dz-as-stored.
+      // With the previous layer's relu mask, its derivative and bias gradient come in the epilogue.
       at::Tensor dy_in = at::empty({batch, n_in}, input.options());
+      const bool drelu = i > 0 && !masks.empty();
+      at::Tensor next_db = drelu && bias ? at::empty({n_in}, w.options()) : at::Tensor();
+      cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+      if (drelu) epilogue = bias ? CUBLASLT_EPILOGUE_DRELU_BGRAD : CUBLASLT_EPILOGUE_DRELU;
       const Gemm dgrad{CUBLAS_OP_N,
                        CUBLAS_OP_N,
                        n_in,
@@ -441,8 +526,20 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
                        dz.const_data_ptr(),
                        n_out,
                        dy_in.mutable_data_ptr(),
-                       n_in};
-      if (!lt.run(dgrad)) at::mm_out(dy_in, dz, w);
+                       n_in,
+                       epilogue,
+                       next_db.defined() ? next_db.mutable_data_ptr() : nullptr,
+                       drelu ? const_cast<void*>(masks[i - 1].const_data_ptr()) : nullptr,
+                       drelu ? masks[i - 1].size(1) * 8 : 0};
+      grad_is_dz = drelu && lt.run(dgrad);
+      if (!grad_is_dz) {
+        Gemm plain = dgrad;
+        plain.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+        plain.bias = nullptr;
+        plain.aux = nullptr;
+        if (!lt.run(plain)) at::mm_out(dy_in, dz, w);
+      }
+      fused_db = next_db;
       grad = dy_in;
     }
   }
