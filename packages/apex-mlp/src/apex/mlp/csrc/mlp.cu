@@ -398,7 +398,8 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
     cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     if (activation == kRelu) epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
     if (i < masks) {
-      mask = at::empty({batch, mask_bytes(n_out)}, input.options().dtype(at::kByte));
+      // Zeroed: cuBLASLt need not write the padding bits, and an op's outputs must not vary run to run.
+      mask = at::zeros({batch, mask_bytes(n_out)}, input.options().dtype(at::kByte));
       epilogue = bias ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS : CUBLASLT_EPILOGUE_RELU_AUX;
     }
     const Gemm gemm{CUBLAS_OP_T,
