@@ -442,29 +442,39 @@ def multi_tensor_lamb(
     clip = _ops_clip_ratio(global_grad_norm, float(max_grad_norm))
     grads = [gi.float() / clip for gi in g]
     pu, mu, vu = _usable(p, _KERNEL_DTYPES), _usable(m), _usable(v)
+    hyper = (beta1, beta2, epsilon, wd, mode == 1, bool(bias_correction), bool(grad_averaging), bool(use_nvlamb))
+    _fused_lamb(ops, chunk_size, pu, grads, mu, vu, [], float(lr), int(step), hyper, clip.device)
+    for originals, used in ((p, pu), (m, mu), (v, vu)):
+        _write_back(originals, used)
+    _lamb_update_into_grads(g, before, mu, vu, beta1, beta2, epsilon, step, bias_correction, mode, wd, None)
+
+
+def _fused_lamb(ops, chunk_size, params, grads, mu, vu, masters, lr, step, hyper, device, device_scalars=()):
+    """apex-optimizers' fused_lamb without its own clipping (the gradients come clipped): ``hyper``
+    is (beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, use_nvlamb)."""
+    beta1, beta2, epsilon, wd, adam_w_mode, bias_correction, grad_averaging, use_nvlamb = hyper
+    ones = torch.ones(1, dtype=FLOAT32, device=device)  # the op's global_grad_norm: no clipping there
     ops.fused_lamb(
         chunk_size,
-        pu,
+        params,
         grads,
         mu,
         vu,
-        [],
-        torch.ones(1, dtype=FLOAT32, device=clip.device),
-        float(lr),
-        int(step),
+        masters,
+        ones,
+        lr,
+        step,
         beta1,
         beta2,
         epsilon,
         wd,
-        mode == 1,
-        bool(bias_correction),
-        bool(grad_averaging),
+        adam_w_mode,
+        bias_correction,
+        grad_averaging,
         0.0,
-        bool(use_nvlamb),
+        use_nvlamb,
+        *device_scalars,
     )
-    for originals, used in ((p, pu), (m, mu), (v, vu)):
-        _write_back(originals, used)
-    _lamb_update_into_grads(g, before, mu, vu, beta1, beta2, epsilon, step, bias_correction, mode, wd, None)
 
 
 def _ops_clip_ratio(global_grad_norm, max_grad_norm):
@@ -511,30 +521,9 @@ def multi_tensor_lamb_mp(
     else:
         params, masters = _usable(p32, _KERNEL_DTYPES), []
     mu, vu = _usable(m), _usable(v)
-    ops.fused_lamb(
-        chunk_size,
-        params,
-        grads,
-        mu,
-        vu,
-        masters,
-        torch.ones(1, dtype=FLOAT32, device=clip.device),
-        1.0,
-        1,
-        beta1,
-        beta2,
-        epsilon,
-        wd,
-        mode == 1,
-        bool(bias_correction),
-        bool(grad_averaging),
-        0.0,
-        bool(use_nvlamb),
-        lr.reshape(1).to(FLOAT32),
-        step.reshape(1).to(FLOAT32),
-        None,
-        _skip(noop_flag),
-    )
+    hyper = (beta1, beta2, epsilon, wd, mode == 1, bool(bias_correction), bool(grad_averaging), bool(use_nvlamb))
+    device_scalars = (lr.reshape(1).to(FLOAT32), step.reshape(1).to(FLOAT32), None, _skip(noop_flag))
+    _fused_lamb(ops, chunk_size, params, grads, mu, vu, masters, 1.0, 1, hyper, clip.device, device_scalars)
     _write_back(p32, masters if len(lists) == 5 else params)
     _write_back(m, mu)
     _write_back(v, vu)
