@@ -1,0 +1,4 @@
+from apex.core.descriptors import KernelLibrary, Plugin
+
+KERNELS = KernelLibrary.of_package("contrib.focal_loss")
+PLUGIN = Plugin.of_package("contrib.focal_loss", kernels=KERNELS)

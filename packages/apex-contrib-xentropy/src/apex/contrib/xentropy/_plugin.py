@@ -1,0 +1,4 @@
+from apex.core.descriptors import KernelLibrary, Plugin
+
+KERNELS = KernelLibrary.of_package("contrib.xentropy")
+PLUGIN = Plugin.of_package("contrib.xentropy", kernels=KERNELS)
