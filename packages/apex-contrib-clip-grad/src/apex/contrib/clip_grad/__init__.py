@@ -1,25 +1,6 @@
-"""apex.contrib.clip_grad: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.clip_grad: ``clip_grad_norm_``, a drop-in for ``torch.nn.utils.clip_grad_norm_``
+on apex-core's multi-tensor L2 norm and scale (``torch.ops.apex_core``)."""
 
-Importing it registers its ops (``torch.ops.apex_contrib_clip_grad.*``).
-"""
+from apex.contrib.clip_grad.clip_grad import clip_grad_norm_
 
-from __future__ import annotations
-
-import torch
-
-from apex.contrib.clip_grad import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_clip_grad.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["clip_grad_norm_"]

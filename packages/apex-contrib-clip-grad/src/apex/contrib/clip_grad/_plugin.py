@@ -1,6 +1,5 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.clip_grad", sources=())
+# No ops of its own and nothing to compile: clip_grad_norm_ calls apex-core's multi-tensor ops
+# (torch.ops.apex_core), whose CUDA kernels apex-core builds and loads.
 PLUGIN = Plugin.of_package("contrib.clip_grad")
