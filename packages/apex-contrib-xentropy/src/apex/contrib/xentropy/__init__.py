@@ -1,25 +1,10 @@
-"""apex.contrib.xentropy: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.xentropy: fused softmax cross entropy with label smoothing (``SoftmaxCrossEntropyLoss``).
 
-Importing it registers its ops (``torch.ops.apex_contrib_xentropy.*``).
+Importing it registers its ops (``torch.ops.apex_contrib_xentropy.*``, see ``_ops.py``).
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.xentropy.softmax_xentropy import SoftmaxCrossEntropyLoss
 
-from apex.contrib.xentropy import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_xentropy.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["SoftmaxCrossEntropyLoss"]

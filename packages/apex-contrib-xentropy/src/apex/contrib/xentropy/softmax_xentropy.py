@@ -1,0 +1,78 @@
+"""``SoftmaxCrossEntropyLoss``: upstream Apex's fused softmax cross entropy with label smoothing."""
+
+from __future__ import annotations
+
+import torch
+
+from apex.contrib.xentropy import _ops
+
+_NAME = "SoftmaxCrossEntropyLoss"
+
+
+class SoftmaxCrossEntropyLoss:
+    r"""Per-row softmax cross entropy with label smoothing, fused into one pass over the logits
+    forward and one backward (``torch.ops.apex_contrib_xentropy.softmax_cross_entropy_*``).
+
+    Call it as upstream's ``autograd.Function``::
+
+        losses = SoftmaxCrossEntropyLoss.apply(logits, labels, smoothing, padding_idx, half_to_float)
+
+    For row ``i`` with ``x = logits[i]``, ``V`` columns and smoothing ``s``:
+
+    .. math::
+        \text{loss}_i = \log\sum_j e^{x_j} - (1 - s)\,x_{\text{label}_i} - \frac{s}{V}\sum_j x_j
+
+    (``F.cross_entropy(logits.float(), labels, label_smoothing=s, reduction="none")``), with
+    gradient ``g_i (softmax(x) - (1 - s) onehot(label_i) - s / V)``. Rows whose label is
+    ``padding_idx`` get loss 0 and gradient 0. The forward keeps only the per-row logsumexp
+    (float32) besides its inputs; the backward rebuilds the softmax from the logits. Reductions
+    run in float32; no float32 copy of the logits is made. Rows of any length are supported (the
+    CUDA kernels stream a row; no shared-memory limit).
+
+    Args:
+        logits: ``[tokens, vocab]`` float32, float16 or bfloat16 (made contiguous if it is not).
+        labels: ``[tokens]`` int64 class indices on the same device.
+        smoothing: label smoothing ``s`` in ``[0, 1]`` (default 0.0).
+        padding_idx: the label of rows to ignore (default 0, upstream's default: rows of class
+            0 are then ignored). ``None`` ignores no row.
+        half_to_float: return float32 losses for 16-bit logits (default: losses in ``logits``'
+            dtype). No effect for float32 logits (upstream rejects that combination).
+        inplace_backward: write the gradient into ``logits``' own storage during backward instead
+            of allocating a new ``[tokens, vocab]`` tensor (not in upstream). This saves one
+            logits-sized allocation, which is what memory-bound LLM training wants, but it costs
+            the caller the logits: after ``backward`` the tensor passed as ``logits`` holds the
+            gradient, not the logits. Do not read it afterwards, do not let any other autograd node
+            save it (the backward then raises "modified by an inplace operation"), and do not run
+            backward through this loss twice (``retain_graph``). ``logits`` must not be a leaf
+            that requires grad (its ``.grad`` would share its storage): pass the output of the LM
+            head. Non-contiguous logits are copied first, so the copy is overwritten, not them.
+
+    Labels outside ``[0, vocab)`` that are not ``padding_idx``: the CPU path (and any path
+    through the PyTorch reference) raises ValueError naming the first; the CUDA kernels never read
+    out of bounds but cannot raise without synchronizing, so that row's loss (and gradient) is
+    NaN instead.
+
+    Returns:
+        ``losses [tokens]``: float32 with ``half_to_float``, else ``logits``' dtype. (Upstream's
+        current kernel returns float32 in both cases, after which its backward misreads a
+        16-bit logsumexp; the flag is followed here.)
+    """
+
+    @staticmethod
+    def apply(
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        smoothing: float = 0.0,
+        padding_idx: int | None = 0,
+        half_to_float: bool = False,
+        inplace_backward: bool = False,
+    ) -> torch.Tensor:
+        if inplace_backward and logits.is_leaf and logits.requires_grad and logits.is_contiguous():
+            raise ValueError(
+                f"{_NAME}: inplace_backward writes the gradient into logits, which is a leaf that "
+                "requires grad (its .grad would share its storage); pass a non-leaf (the LM head's output)"
+            )
+        losses, _ = _ops.softmax_cross_entropy(
+            logits.contiguous(), labels.contiguous(), float(smoothing), padding_idx, half_to_float, inplace_backward
+        )
+        return losses
