@@ -1,29 +1,34 @@
-"""apex.contrib.index_mul_2d.scale against PyTorch's ``x * alpha``, eager and under torch.compile (CUDA only).
+"""apex.contrib.index_mul_2d against PyTorch's ``in1[idx1] * in2``, eager and under torch.compile, in one
+process (CUDA only).
 
     python packages/apex-contrib-index-mul-2d/benchmarks/bench_index_mul_2d.py [--out DIR] [--samples N]
 
-Per shape and dtype: ours, eager and compiled torch in ms (CUDA events, median of samples, data
-cycling through enough copies to outgrow L2), eager / ours, and ours in GB/s (bytes read and
-written) and as a fraction of the device copy bandwidth measured in the same run. Bar: ours moves
-at least COPY_FRACTION_BAR of the copy bandwidth at every shape.
+Shape (N1, N2, F) = (100000, 1000000, 64), the bars of issue 21, in float32, float16 and bfloat16,
+random indices (each row of in1 used about ten times). Two passes per dtype:
+
+- fwd: the forward alone (no autograd);
+- fwd+bwd: the forward with autograd and ``torch.autograd.grad`` of both inputs (ours: the
+  fused backward, atomics into grad_in1; eager: PyTorch's mul backward and index backward, which
+  sorts the indices).
+
+Times are medians of CUDA-event samples of back-to-back calls (apex.core.benchmarking.time_ms).
+Bytes model of the forward (its least traffic): read in1 once, in2 and idx1, write out:
+``(N1 * F + 2 * N2 * F) * itemsize + 8 * N2``. Bars: fwd+bwd eager / ours >= 1.5, and the forward
+at >= 70% of the device-to-device copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 import torch
 
-from apex.contrib.index_mul_2d import scale
 from apex.core.benchmarking import (
-    copies_for_l2,
     copy_bandwidth_gbps,
     gb_per_s,
     markdown_table,
-    nbytes,
     report,
     require_cuda,
     require_kernels,
@@ -31,49 +36,86 @@ from apex.core.benchmarking import (
     verdict,
 )
 
-SHAPES = [(8192, 8192), (16384, 8191)]
-DTYPES = [torch.bfloat16, torch.float32]
-ALPHA = 0.5
-COPY_FRACTION_BAR = 0.8
-HEADER = ["shape", "dtype", "ours ms", "eager ms", "compiled ms", "eager / ours", "ours GB/s", "% of copy"]
+N1, N2, F = 100_000, 1_000_000, 64
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BARS = {"eager fwd+bwd": 1.5, "copy fwd": 0.7}
+HEADER = ["dtype", "pass", "ours ms", "eager ms", "compiled ms", "eager/ours", "compiled/ours", "GB/s", "% of copy"]
 
 
-def measure(shape, dtype, samples: int, compiled) -> tuple[list[str], float]:
-    """One row of the table, and ours in GB/s."""
-    copies = copies_for_l2(2 * math.prod(shape) * dtype.itemsize)
-    data = [torch.randn(shape, device="cuda").to(dtype) for _ in range(copies)]
-    torch.testing.assert_close(scale(data[0], ALPHA), data[0] * ALPHA)
+def eager(in1: torch.Tensor, in2: torch.Tensor, idx1: torch.Tensor) -> torch.Tensor:
+    return in1[idx1] * in2
 
-    def timed(fn):
-        return time_ms([lambda x=x: fn(x) for x in data], samples)
 
-    ours = timed(lambda x: scale(x, ALPHA))
-    eager = timed(lambda x: x * ALPHA)
-    compiled_ms = timed(compiled)
-    gbps = gb_per_s(2 * nbytes(data[:1]), ours)  # x read, out written
-    row = [f"{ours:.3f}", f"{eager:.3f}", f"{compiled_ms:.3f}", f"{eager / ours:.2f}x", f"{gbps:.0f}"]
-    return row, gbps
+def forward_and_backward(fn, in1, in2, idx1, grad):
+    a, b = in1.detach().requires_grad_(), in2.detach().requires_grad_()
+    return lambda: torch.autograd.grad(fn(a, b, idx1), (a, b), grad)
+
+
+def check_agreement(ours, in1, in2, idx1, grad) -> None:
+    """Ours against eager before anything is timed: the forward bit for bit, the gradients to rounding."""
+    torch.testing.assert_close(ours(in1, in2, idx1), eager(in1, in2, idx1), rtol=0, atol=0)
+    got = forward_and_backward(ours, in1, in2, idx1, grad)()
+    expected = forward_and_backward(eager, in1.float(), in2.float(), idx1, grad.float())()
+    for g, e in zip(got, expected):
+        scale = e.abs().max().item()
+        torch.testing.assert_close(g.float(), e, rtol=1e-2, atol=1e-2 * scale)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_index_mul_2d.md")
     parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
-    args = parser.parse_args(argv)
-    if not require_cuda("bench_index_mul_2d"):
+    args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if not require_cuda("bench_index_mul_2d.py"):
         return 1
+    from apex.contrib.index_mul_2d import index_mul_2d
+
     require_kernels("index_mul_2d")
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(args.samples)
-    compiled = torch.compile(lambda x: x * ALPHA, fullgraph=True)
+    compiled = torch.compile(eager, fullgraph=True, dynamic=False)
     rows, verdicts = [], []
-    for shape in SHAPES:
-        for dtype in DTYPES:
-            cells, gbps = measure(shape, dtype, args.samples, compiled)
-            case = ["x".join(map(str, shape)), str(dtype).removeprefix("torch.")]
-            rows.append([*case, *cells, f"{100 * gbps / copy_gbps:.0f}%"])
-            verdicts.append(verdict(f"{' '.join(case)}: share of copy bandwidth", gbps / copy_gbps, COPY_FRACTION_BAR))
-    report("bench_index_mul_2d", [*markdown_table(HEADER, rows), "", *verdicts], out=args.out, copy_gbps=copy_gbps)
+    idx1 = torch.randint(0, N1, (N2,), device="cuda")
+    for dtype in DTYPES:
+        in1 = torch.randn(N1, F, device="cuda").to(dtype)
+        in2 = torch.randn(N2, F, device="cuda").to(dtype)
+        grad = torch.randn(N2, F, device="cuda").to(dtype)
+        check_agreement(index_mul_2d, in1, in2, idx1, grad)
+        impls = {"ours": index_mul_2d, "eager": eager, "compiled": compiled}
+        forward_bytes = (N1 * F + 2 * N2 * F) * in1.element_size() + idx1.numel() * idx1.element_size()
+        for pass_name in ("fwd", "fwd+bwd"):
+            if pass_name == "fwd":
+                calls = {name: (lambda fn=fn, a=in1, b=in2: fn(a, b, idx1)) for name, fn in impls.items()}
+            else:
+                calls = {name: forward_and_backward(fn, in1, in2, idx1, grad) for name, fn in impls.items()}
+            ms = {name: time_ms([call], args.samples) for name, call in calls.items()}
+            speedup, vs_compiled = ms["eager"] / ms["ours"], ms["compiled"] / ms["ours"]
+            name = str(dtype).removeprefix("torch.")
+            cells = [name, pass_name, f"{ms['ours']:.3f}", f"{ms['eager']:.3f}", f"{ms['compiled']:.3f}"]
+            cells += [f"{speedup:.2f}", f"{vs_compiled:.2f}"]
+            if pass_name == "fwd":
+                gbps = gb_per_s(forward_bytes, ms["ours"])
+                cells += [f"{gbps:.0f}", f"{100 * gbps / copy_gbps:.1f}"]
+                label = f"{name} fwd: fraction of copy bandwidth >= {BARS['copy fwd']}"
+                verdicts.append(verdict(label, gbps / copy_gbps, BARS["copy fwd"]))
+            else:
+                cells += ["", ""]
+                label = f"{name} fwd+bwd: eager/ours >= {BARS['eager fwd+bwd']}"
+                verdicts.append(verdict(label, speedup, BARS["eager fwd+bwd"]))
+            rows.append(cells)
+        del in1, in2, grad
+    notes = [
+        f"(N1, N2, F) = ({N1}, {N2}, {F}), idx1 uniform random int64",
+        "forward bytes model: in1 read once, in2 and idx1 read, out written",
+        "eager: in1[idx1] * in2 with autograd; compiled: the same under torch.compile(fullgraph=True)",
+    ]
+    report(
+        "bench_index_mul_2d",
+        [*markdown_table(HEADER, rows), "", *verdicts],
+        out=args.out,
+        copy_gbps=copy_gbps,
+        notes=notes,
+    )
     return 0 if all(line.startswith("PASS") for line in verdicts) else 1
 
 
