@@ -1,25 +1,11 @@
-"""apex.contrib.transducer: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.transducer: the RNN-T joint (with fused ReLU and dropout) and the RNN-T loss (with the
+softmax's backward folded in), padded or packed, as upstream Apex's ``apex.contrib.transducer``.
 
 Importing it registers its ops (``torch.ops.apex_contrib_transducer.*``).
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.transducer.transducer import TransducerJoint, TransducerLoss
 
-from apex.contrib.transducer import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_transducer.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["TransducerJoint", "TransducerLoss"]

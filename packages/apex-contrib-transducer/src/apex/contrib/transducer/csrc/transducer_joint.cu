@@ -1,0 +1,439 @@
+// The transducer joint: out[b, t, u] = f[b, t] + g[b, u] (then ReLU, dropout) and its backward, the
+// sums of the output gradient over u (for f) and over t (for g). The math, the layouts and the
+// wording of the checks are in _reference.py / _ops.py.
+//
+// Both kernels give each block one batch element, a tile of t and a chunk of H, with 256 threads:
+// 8 lanes along H (16-byte vectors) by 32 rows along t. The forward holds its f vectors in
+// registers and streams over u, loading each g vector once for its t's. The backward reads each
+// gradient element once: a thread sums its t's over every u (f's gradient, complete), and the sums
+// over its t's per u are added across the block's rows (shuffles, then shared memory) into g's
+// gradient; with more than one t tile, into float32 partial sums that a second kernel adds in
+// tile order (deterministic, no atomics).
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+#include <apex/launch.cuh>
+
+#include "transducer_common.cuh"
+
+namespace {
+
+using namespace transducer;
+
+constexpr int kLanes = 8;  // threads along H
+constexpr int kRows = 32;  // threads along t
+constexpr int kThreads = kLanes * kRows;
+constexpr int kWarps = kThreads / 32;
+constexpr int kForwardTs = 4;   // t's per thread in the forward
+constexpr int kBackwardTs = 8;  // t's per thread in the backward
+constexpr int kUChunk = 8;      // u's per shared-memory reduction in the backward
+
+// The dropout hash (_reference._mix32): xor-shift, multiply, xor-shift, multiply, xor-shift.
+__host__ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+__device__ __forceinline__ uint32_t dropout_key(int64_t seed) {
+  const auto s = static_cast<uint64_t>(seed);
+  return mix32(static_cast<uint32_t>(s) ^ mix32(static_cast<uint32_t>(s >> 32) ^ 0x9e3779b9u));
+}
+
+struct Layout {
+  const int* f_len;
+  const int* g_len;
+  const int64_t* batch_offset;  // null: padded
+  int64_t B, T, U, H;
+  int64_t rows;  // rows of the output / gradient (packed: the bound every row index is checked against)
+  int64_t t_tiles, h_chunks;
+};
+
+struct Batch {
+  int64_t b, F, G, base, stride_t;
+};
+
+__device__ __forceinline__ Batch batch_of(const Layout& l, int64_t b) {
+  Batch r;
+  r.b = b;
+  r.F = clamp64(l.f_len[b], 0, l.T);
+  r.G = clamp64(l.g_len[b], 0, l.U);
+  if (l.batch_offset != nullptr) {
+    r.base = b == 0 ? 0 : l.batch_offset[b - 1];
+    r.stride_t = r.G;
+  } else {
+    r.base = b * l.T * l.U;
+    r.stride_t = l.U;
+  }
+  return r;
+}
+
+template <typename T, int VW, bool kMasked>
+__global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g,
+                                                                 Layout l, bool relu, const int64_t* seed,
+                                                                 uint64_t threshold, float scale, T* __restrict__ out,
+                                                                 uint8_t* __restrict__ mask) {
+  using A = acc_t<T>;
+  const int lane = threadIdx.x % kLanes;
+  const int row = threadIdx.x / kLanes;
+  const int64_t block = blockIdx.x;
+  const int64_t hc = block % l.h_chunks;
+  const int64_t tile = (block / l.h_chunks) % l.t_tiles;
+  const Batch bt = batch_of(l, block / (l.h_chunks * l.t_tiles));
+  const int64_t h0 = (hc * kLanes + lane) * VW;
+  if (h0 >= l.H) return;
+  const bool packed = l.batch_offset != nullptr;
+  const uint32_t key = (kMasked && seed != nullptr) ? dropout_key(*seed) : 0u;
+
+  A fv[kForwardTs][VW];
+  int64_t ts[kForwardTs];
+#pragma unroll
+  for (int i = 0; i < kForwardTs; ++i) {
+    ts[i] = tile * (kForwardTs * kRows) + i * kRows + row;
+    if (ts[i] < bt.F) {
+      load_acc<VW>(fv[i], f + (bt.b * l.T + ts[i]) * l.H + h0);
+    }
+  }
+  const int64_t n_u = packed ? bt.G : l.U;
+  const int64_t t_end = packed ? bt.F : l.T;
+  for (int64_t u = 0; u < n_u; ++u) {
+    A gv[VW];
+    if (u < bt.G) load_acc<VW>(gv, g + (bt.b * l.U + u) * l.H + h0);
+#pragma unroll
+    for (int i = 0; i < kForwardTs; ++i) {
+      const int64_t t = ts[i];
+      if (t >= t_end) continue;
+      const int64_t out_row = bt.base + t * bt.stride_t + u;
+      if (out_row >= l.rows) continue;  // packed offsets beyond the output: nothing to write
+      const bool valid = t < bt.F && u < bt.G;
+      A v[VW];
+      Vec<uint8_t, VW> m;
+#pragma unroll
+      for (int j = 0; j < VW; ++j) {
+        if (!valid) {
+          v[j] = A(-1);
+          m.v[j] = 0;
+          continue;
+        }
+        v[j] = fv[i][j] + gv[j];
+        if constexpr (kMasked) {
+          bool keep = relu ? v[j] > A(0) : true;
+          if (seed != nullptr) {
+            const auto e = static_cast<uint64_t>(out_row * l.H + h0 + j);
+            const uint32_t r = mix32(static_cast<uint32_t>(e) ^ mix32(static_cast<uint32_t>(e >> 32) ^ key));
+            keep = keep && static_cast<uint64_t>(r) < threshold;
+            v[j] = v[j] * static_cast<A>(scale);
+          }
+          v[j] = keep ? v[j] : A(0);
+          m.v[j] = keep ? 1 : 0;
+        }
+      }
+      store_acc<VW>(out + out_row * l.H + h0, v);
+      if constexpr (kMasked) *reinterpret_cast<Vec<uint8_t, VW>*>(mask + out_row * l.H + h0) = m;
+    }
+  }
+}
+
+template <typename T, int VW, bool kMasked>
+__global__ void __launch_bounds__(kThreads, 2)
+    joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, float scale,
+                          T* __restrict__ f_grad, T* __restrict__ g_grad, acc_t<T>* __restrict__ g_partial) {
+  using A = acc_t<T>;
+  constexpr int kChunk = kLanes * VW;  // H elements per block
+  __shared__ A stage[kUChunk][kWarps][kChunk];
+  const int lane = threadIdx.x % kLanes;
+  const int row = threadIdx.x / kLanes;
+  const int warp = threadIdx.x / 32;
+  const int64_t block = blockIdx.x;
+  const int64_t hc = block % l.h_chunks;
+  const int64_t tile = (block / l.h_chunks) % l.t_tiles;
+  const Batch bt = batch_of(l, block / (l.h_chunks * l.t_tiles));
+  const int64_t h0 = (hc * kLanes + lane) * VW;
+  const bool active = h0 < l.H;  // every thread stays for the block's barriers
+
+  A f_acc[kBackwardTs][VW];
+  int64_t ts[kBackwardTs];
+#pragma unroll
+  for (int i = 0; i < kBackwardTs; ++i) {
+    ts[i] = tile * (kBackwardTs * kRows) + i * kRows + row;
+#pragma unroll
+    for (int j = 0; j < VW; ++j) f_acc[i][j] = A(0);
+  }
+  // g's gradient for this tile: the final value with one tile, else this tile's partial sum.
+  auto write_g = [&](int64_t u, int64_t h, A value) {
+    if (g_partial == nullptr) {
+      g_grad[(bt.b * l.U + u) * l.H + h] = static_cast<T>(value);
+    } else {
+      g_partial[((tile * l.B + bt.b) * l.U + u) * l.H + h] = value;
+    }
+  };
+
+  for (int64_t u0 = 0; u0 < bt.G; u0 += kUChunk) {
+    const int64_t n = bt.G - u0 < kUChunk ? bt.G - u0 : kUChunk;
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t u = u0 + k;
+      A gsum[VW];
+#pragma unroll
+      for (int j = 0; j < VW; ++j) gsum[j] = A(0);
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < kBackwardTs; ++i) {
+          if (ts[i] >= bt.F) continue;
+          const int64_t r = bt.base + ts[i] * bt.stride_t + u;
+          if (r >= l.rows) continue;
+          A d[VW];
+          load_acc<VW>(d, grad + r * l.H + h0);
+          if constexpr (kMasked) {
+            const Vec<uint8_t, VW> m = *reinterpret_cast<const Vec<uint8_t, VW>*>(mask + r * l.H + h0);
+#pragma unroll
+            for (int j = 0; j < VW; ++j) d[j] *= static_cast<A>(m.v[j]);
+          }
+#pragma unroll
+          for (int j = 0; j < VW; ++j) {
+            d[j] *= static_cast<A>(scale);
+            f_acc[i][j] += d[j];
+            gsum[j] += d[j];
+          }
+        }
+      }
+      // The four rows of a warp differ in lane bits 3 and 4.
+#pragma unroll
+      for (int j = 0; j < VW; ++j) {
+        gsum[j] += __shfl_xor_sync(0xffffffffu, gsum[j], 8);
+        gsum[j] += __shfl_xor_sync(0xffffffffu, gsum[j], 16);
+      }
+      if ((threadIdx.x % 32) < kLanes) {
+#pragma unroll
+        for (int j = 0; j < VW; ++j) stage[k][warp][lane * VW + j] = gsum[j];
+      }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < n * kChunk; idx += kThreads) {
+      const int k = idx / kChunk;
+      const int hh = idx % kChunk;
+      const int64_t h = hc * kChunk + hh;
+      if (h >= l.H) continue;
+      A s = A(0);
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += stage[k][w][hh];
+      write_g(u0 + k, h, s);
+    }
+    __syncthreads();
+  }
+  // u past g_len: zero gradient (and zero partial sums)
+  for (int64_t idx = threadIdx.x; idx < (l.U - bt.G) * kChunk; idx += kThreads) {
+    const int64_t u = bt.G + idx / kChunk;
+    const int64_t h = hc * kChunk + idx % kChunk;
+    if (h < l.H) write_g(u, h, A(0));
+  }
+  if (!active) return;
+#pragma unroll
+  for (int i = 0; i < kBackwardTs; ++i) {
+    if (ts[i] < l.T) store_acc<VW>(f_grad + (bt.b * l.T + ts[i]) * l.H + h0, f_acc[i]);
+  }
+}
+
+// g_grad[i] = sum over tiles of g_partial[tile][i], in tile order.
+template <typename T>
+__global__ void sum_partials_kernel(const acc_t<T>* __restrict__ partial, int64_t tiles, int64_t n, T* __restrict__ out) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    acc_t<T> s = 0;
+    for (int64_t k = 0; k < tiles; ++k) s += partial[k * n + i];
+    out[i] = static_cast<T>(s);
+  }
+}
+
+// The widest vector (16 bytes) every row of `pointers` can use, else one element.
+template <typename T>
+int vector_width(int64_t H, std::initializer_list<const void*> pointers) {
+  constexpr int kWidth = 16 / sizeof(T);
+  if (H % kWidth != 0) return 1;
+  for (const void* p : pointers) {
+    if (p != nullptr && !apex::aligned_to(p, 16)) return 1;
+  }
+  return kWidth;
+}
+
+unsigned int grid_of(int64_t blocks) {
+  TORCH_CHECK(blocks < (int64_t{1} << 31), "transducer: too many blocks (", blocks, ")");
+  return static_cast<unsigned int>(blocks);
+}
+
+constexpr const char* kForward = "joint_forward";
+constexpr const char* kBackward = "joint_backward";
+
+std::tuple<at::Tensor, at::Tensor> joint_forward_cuda(const at::Tensor& f, const at::Tensor& g, const at::Tensor& f_len,
+                                                      const at::Tensor& g_len,
+                                                      const std::optional<at::Tensor>& batch_offset,
+                                                      int64_t packed_batch, bool relu, double dropout_prob,
+                                                      const std::optional<at::Tensor>& seed) {
+  const char* op = kForward;
+  float_tensor(op, "f", f, f.device());
+  dims(op, "f", f, 3, "[B, T, H]");
+  float_tensor(op, "g", g, f.device());
+  dims(op, "g", g, 3, "[B, U, H]");
+  TORCH_CHECK_TYPE(g.scalar_type() == f.scalar_type(), op, ": g has dtype ", apex::checks::torch_dtype(g.scalar_type()),
+                   " but f has ", apex::checks::torch_dtype(f.scalar_type()));
+  TORCH_CHECK_VALUE(g.size(0) == f.size(0) && g.size(2) == f.size(2), op, ": g has shape ",
+                    apex::checks::shape_string(g.sizes()), "; expected [", f.size(0), ", U, ", f.size(2),
+                    "] for f of shape ", apex::checks::shape_string(f.sizes()));
+  const int64_t B = f.size(0), T = f.size(1), H = f.size(2), U = g.size(1);
+  lengths(op, "f_len", f_len, "g_len", g_len, batch_offset, B, f.device());
+  non_negative(op, "packed_batch", packed_batch);
+  TORCH_CHECK_VALUE(dropout_prob >= 0.0 && dropout_prob <= 1.0, op, ": dropout_prob must lie in [0, 1], got ",
+                    dropout_prob);
+  if (seed.has_value()) index_tensor(op, "seed", *seed, c10::ScalarType::Long, {1}, f.device());
+
+  const c10::cuda::CUDAGuard guard(f.device());
+  const bool packed = batch_offset.has_value();
+  const bool masked = relu || seed.has_value();
+  std::vector<int64_t> shape = packed ? std::vector<int64_t>{packed_batch, H} : std::vector<int64_t>{B, T, U, H};
+  at::Tensor out = at::empty(shape, f.options());
+  at::Tensor mask = at::empty(masked ? shape : std::vector<int64_t>{0}, f.options().dtype(at::kByte));
+  if (out.numel() == 0 || B == 0 || T == 0) return {out, mask};
+
+  Layout l{f_len.const_data_ptr<int>(),
+           g_len.const_data_ptr<int>(),
+           packed ? batch_offset->const_data_ptr<int64_t>() : nullptr,
+           B,
+           T,
+           U,
+           H,
+           packed ? packed_batch : B * T * U,
+           apex::ceil_div(T, kForwardTs * kRows),
+           0};
+  const int64_t* seed_ptr = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
+  const uint64_t threshold = static_cast<uint64_t>(std::floor((1.0 - dropout_prob) * 4294967296.0));
+  const float scale = seed.has_value() ? (dropout_prob < 1.0 ? static_cast<float>(1.0 / (1.0 - dropout_prob)) : 0.0f)
+                                       : 1.0f;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(f.scalar_type(), op, "f", [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    const int vw = vector_width<T_>(H, {f.const_data_ptr(), g.const_data_ptr(), out.const_data_ptr()});
+    auto launch = [&](auto width, auto masked_tag) {
+      constexpr int VW = decltype(width)::value;
+      constexpr bool M = decltype(masked_tag)::value;
+      l.h_chunks = apex::ceil_div(H, kLanes * VW);
+      const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
+      joint_forward_kernel<T_, VW, M><<<blocks, kThreads, 0, stream>>>(
+          f.const_data_ptr<T_>(), g.const_data_ptr<T_>(), l, relu, seed_ptr, threshold, scale,
+          out.mutable_data_ptr<T_>(), M ? mask.mutable_data_ptr<uint8_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int kWide = 16 / sizeof(T_);
+    if (masked) {
+      if (vw == kWide) launch(std::integral_constant<int, kWide>{}, std::true_type{});
+      else launch(std::integral_constant<int, 1>{}, std::true_type{});
+    } else {
+      if (vw == kWide) launch(std::integral_constant<int, kWide>{}, std::false_type{});
+      else launch(std::integral_constant<int, 1>{}, std::false_type{});
+    }
+  });
+  return {out, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& mask,
+                                                       const at::Tensor& f_len, const at::Tensor& g_len,
+                                                       const std::optional<at::Tensor>& batch_offset, int64_t max_f_len,
+                                                       int64_t max_g_len, double scale) {
+  const char* op = kBackward;
+  float_tensor(op, "grad", grad, grad.device());
+  const bool packed = batch_offset.has_value();
+  if (packed) {
+    dims(op, "grad", grad, 2, "[rows, H] (packed)");
+  } else {
+    dims(op, "grad", grad, 4, "[B, T, U, H]");
+  }
+  const int64_t B = f_len.dim() == 1 ? f_len.size(0) : -1;
+  lengths(op, "f_len", f_len, "g_len", g_len, batch_offset, B, grad.device());
+  non_negative(op, "max_f_len", max_f_len);
+  non_negative(op, "max_g_len", max_g_len);
+  if (!packed) {
+    TORCH_CHECK_VALUE(grad.size(0) == B && grad.size(1) == max_f_len && grad.size(2) == max_g_len, op,
+                      ": grad has shape ", apex::checks::shape_string(grad.sizes()), "; expected [", B,
+                      ", max_f_len=", max_f_len, ", max_g_len=", max_g_len, ", H]");
+  }
+  if (mask.has_value()) {
+    TORCH_CHECK_TYPE(mask->scalar_type() == at::kByte, op, ": mask has dtype ",
+                     apex::checks::torch_dtype(mask->scalar_type()), "; expected torch.uint8");
+    TORCH_CHECK_VALUE(mask->sizes() == grad.sizes(), op, ": mask has shape ", apex::checks::shape_string(mask->sizes()),
+                      " but grad has ", apex::checks::shape_string(grad.sizes()));
+    apex::checks::dense(op, "mask", *mask, grad.device());
+  }
+  TORCH_CHECK_VALUE(std::isfinite(scale), op, ": scale must be finite, got ", scale);
+
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const int64_t H = grad.size(-1), T = max_f_len, U = max_g_len;
+  at::Tensor f_grad = at::empty({B, T, H}, grad.options());
+  at::Tensor g_grad = at::empty({B, U, H}, grad.options());
+  if (B == 0 || H == 0 || (T == 0 && U == 0)) return {f_grad, g_grad};
+  if (T == 0) {
+    g_grad.zero_();
+    return {f_grad, g_grad};
+  }
+  Layout l{f_len.const_data_ptr<int>(),
+           g_len.const_data_ptr<int>(),
+           packed ? batch_offset->const_data_ptr<int64_t>() : nullptr,
+           B,
+           T,
+           U,
+           H,
+           packed ? grad.size(0) : B * T * U,
+           apex::ceil_div(T, kBackwardTs * kRows),
+           0};
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch(grad.scalar_type(), op, "grad", [&](auto tag) {
+    using T_ = typename decltype(tag)::type;
+    using A = acc_t<T_>;
+    at::Tensor partial;
+    if (l.t_tiles > 1) partial = at::empty({l.t_tiles, B, U, H}, grad.options().dtype(compute_dtype(grad.scalar_type())));
+    A* partial_ptr = l.t_tiles > 1 ? partial.mutable_data_ptr<A>() : nullptr;
+    const uint8_t* mask_ptr = mask.has_value() ? mask->const_data_ptr<uint8_t>() : nullptr;
+    const int vw = vector_width<T_>(H, {grad.const_data_ptr(), mask_ptr, f_grad.const_data_ptr()});
+    const bool mask_aligned = mask_ptr == nullptr || apex::aligned_to(mask_ptr, 16 / sizeof(T_));
+    auto launch = [&](auto width, auto masked_tag) {
+      constexpr int VW = decltype(width)::value;
+      constexpr bool M = decltype(masked_tag)::value;
+      l.h_chunks = apex::ceil_div(H, kLanes * VW);
+      const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
+      joint_backward_kernel<T_, VW, M><<<blocks, kThreads, 0, stream>>>(
+          grad.const_data_ptr<T_>(), mask_ptr, l, static_cast<float>(scale), f_grad.mutable_data_ptr<T_>(),
+          g_grad.mutable_data_ptr<T_>(), partial_ptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int kWide = 16 / sizeof(T_);
+    const bool wide = vw == kWide && mask_aligned;
+    if (mask_ptr != nullptr) {
+      if (wide) launch(std::integral_constant<int, kWide>{}, std::true_type{});
+      else launch(std::integral_constant<int, 1>{}, std::true_type{});
+    } else {
+      if (wide) launch(std::integral_constant<int, kWide>{}, std::false_type{});
+      else launch(std::integral_constant<int, 1>{}, std::false_type{});
+    }
+    if (partial_ptr != nullptr) {
+      const int64_t n = B * U * H;
+      const auto blocks = static_cast<unsigned int>(std::min<int64_t>(apex::ceil_div(n, 256), 4 * 1024));
+      sum_partials_kernel<T_><<<blocks, 256, 0, stream>>>(partial_ptr, l.t_tiles, n, g_grad.mutable_data_ptr<T_>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {f_grad, g_grad};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex_contrib_transducer, CUDA, m) {
+  m.impl("joint_forward", &joint_forward_cuda);
+  m.impl("joint_backward", &joint_backward_cuda);
+}
