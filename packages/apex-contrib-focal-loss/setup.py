@@ -5,7 +5,7 @@ from setuptools import setup
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from apex.core.build import setup_kernel_package
 from apex.contrib.focal_loss._plugin import KERNELS
+from apex.core.build import setup_kernel_package
 
 setup(**setup_kernel_package(KERNELS))

@@ -1,25 +1,19 @@
-"""apex.contrib.focal_loss: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.focal_loss: the sigmoid focal loss of RetinaNet as one forward and one backward kernel.
 
-Importing it registers its ops (``torch.ops.apex_contrib_focal_loss.*``).
+As in upstream Apex, ``apex.contrib.focal_loss.focal_loss`` is the module holding the function
+``focal_loss(cls_output, cls_targets_at_level, num_positive_sum, num_real_classes, alpha, gamma,
+label_smoothing=0.0)`` and ``FocalLoss`` (``FocalLoss.apply`` with the same arguments)::
+
+    from apex.contrib.focal_loss import focal_loss
+    loss = focal_loss.focal_loss(logits, targets, num_pos, num_real_classes, 0.25, 2.0)
+
+Importing it registers the ops (``torch.ops.apex_contrib_focal_loss.*``); the package also
+installs upstream's top-level extension module ``focal_loss_cuda`` on them.
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.focal_loss import _ops, focal_loss  # noqa: F401
+from apex.contrib.focal_loss.focal_loss import FocalLoss
 
-from apex.contrib.focal_loss import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_focal_loss.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["FocalLoss", "focal_loss"]
