@@ -14,7 +14,7 @@ from apex.contrib.transducer import TransducerJoint, _ops
 from apex.contrib.transducer._plugin import KERNELS
 from apex.core import loader
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (B, T, U, H): odd sizes, H not a multiple of any vector width, several t tiles of the CUDA
 # backward (T > 256), an empty batch and empty H.
 SHAPES = [(2, 5, 3, 8), (3, 7, 4, 13), (1, 300, 3, 16), (0, 4, 3, 8), (2, 3, 4, 0)]
@@ -129,8 +129,8 @@ def test_dropout_values(device, dtype, relu, packed):
     kept = mask.bool()
     if relu:
         assert not bool((kept & (h <= 0)).any()), "ReLU zeros are never kept"
-    scale = torch.tensor(1 / (1 - p), dtype=torch.float32).double()  # the kernel's float32 factor
-    expected = torch.where(kept, (h.float() * scale.float()).double(), 0.0)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32  # the kernels' arithmetic
+    expected = torch.where(kept, (h.to(compute) * torch.tensor(1 / (1 - p), dtype=compute)).double(), 0.0)
     if not packed:
         expected = expected.masked_fill(~rows[..., None], -1.0)
         assert not bool(mask.bool()[~rows].any()), "no mask outside the valid rows"

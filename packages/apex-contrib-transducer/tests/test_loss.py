@@ -10,7 +10,7 @@ import transducer_loss_cuda
 
 from apex.contrib.transducer import TransducerLoss, _ops
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (B, T, U, V): U is the label length + 1; V odd (no vector path), one time step, no labels.
 SHAPES = [(3, 6, 4, 8), (2, 9, 5, 33), (2, 1, 3, 16), (2, 4, 1, 8)]
 
