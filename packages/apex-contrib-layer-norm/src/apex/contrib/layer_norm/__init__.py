@@ -1,25 +1,6 @@
-"""apex.contrib.layer_norm: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.layer_norm: upstream Apex's ``FastLayerNorm`` and ``FastLayerNormFN``, on
+apex-normalization's layer norm kernels (``torch.ops.apex_normalization``), for every hidden size."""
 
-Importing it registers its ops (``torch.ops.apex_contrib_layer_norm.*``).
-"""
+from apex.contrib.layer_norm.layer_norm import FastLayerNorm, FastLayerNormFN
 
-from __future__ import annotations
-
-import torch
-
-from apex.contrib.layer_norm import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_layer_norm.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["FastLayerNorm", "FastLayerNormFN"]

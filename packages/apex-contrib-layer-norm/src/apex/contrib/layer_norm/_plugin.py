@@ -1,6 +1,9 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.layer_norm", sources=())
-PLUGIN = Plugin.of_package("contrib.layer_norm")
+# No ops of its own and nothing to compile: FastLayerNorm and the legacy fast_layer_norm module call
+# apex-normalization's layer norm ops (torch.ops.apex_normalization), whose kernels that package builds.
+PLUGIN = Plugin.of_package(
+    "contrib.layer_norm",
+    provides=("apex.contrib.layer_norm", "fast_layer_norm"),
+    requires=("apex-core", "apex-normalization"),
+)
