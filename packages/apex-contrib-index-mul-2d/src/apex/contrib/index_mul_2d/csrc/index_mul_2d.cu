@@ -37,7 +37,10 @@
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRows = 4;  // rows per thread, loads in flight together
+// Rows per thread, their loads in flight together; fewer for the backward's backward, whose five
+// operands per row would otherwise spill registers.
+constexpr int kRows = 4;
+constexpr int kRowsBackwardBackward = 2;
 
 // float32 math for the 16-bit types, float64 for float64.
 template <typename T>
@@ -47,31 +50,42 @@ struct Geometry {
   int64_t rows;      // N2
   int64_t features;  // F
   int64_t in1_rows;  // N1
-  int vectors;       // per row: F / W
+  int64_t vectors;   // per row: F / W
   int lanes;         // threads per row, a power of two
   int lanes_log2;
 };
 
-template <int W, typename T>
+// Operands walked row by row (in2, the gradients of the output) are read once and the outputs
+// written once: they go through L2 as evict-first (ld.global.cs / st.global.cs), so that they do
+// not push out the rows of in1 (each gathered about N2 / N1 times) or the sums of grad_in1.
+enum class Reuse { kStreamed, kGathered };
+
+template <int W, Reuse kReuse, typename T>
 C10_DEVICE C10_ALWAYS_INLINE void load(Acc<T> (&dst)[W], const T* p) {
   if constexpr (W == 1) {
     dst[0] = static_cast<Acc<T>>(*p);
   } else {
-    const auto v = apex::load_vector<T, W>(p);
+    apex::AlignedVector<T, W> v;
+    static_assert(sizeof(v) == sizeof(float4), "a vector is one 16-byte access");
+    if constexpr (kReuse == Reuse::kStreamed) {
+      *reinterpret_cast<float4*>(&v) = __ldcs(reinterpret_cast<const float4*>(p));
+    } else {
+      v = apex::load_vector<T, W>(p);
+    }
 #pragma unroll
     for (int j = 0; j < W; ++j) dst[j] = static_cast<Acc<T>>(v.val[j]);
   }
 }
 
 template <int W, typename T>
-C10_DEVICE C10_ALWAYS_INLINE void store(T* p, const Acc<T> (&src)[W]) {
+C10_DEVICE C10_ALWAYS_INLINE void store_streamed(T* p, const Acc<T> (&src)[W]) {
   if constexpr (W == 1) {
     *p = static_cast<T>(src[0]);
   } else {
     apex::AlignedVector<T, W> v;
 #pragma unroll
     for (int j = 0; j < W; ++j) v.val[j] = static_cast<T>(src[j]);
-    apex::store_vector_plain(p, v);
+    __stcs(reinterpret_cast<float4*>(p), *reinterpret_cast<const float4*>(&v));
   }
 }
 
@@ -91,27 +105,29 @@ C10_DEVICE C10_ALWAYS_INLINE void atomic_add(A* dst, const A (&src)[W]) {
   for (int j = 0; j < W; ++j) atomicAdd(dst + j, src[j]);
 }
 
-// The rows this thread takes (kRows of them, -1 past the end) and their in1 rows, asserted to be
-// in range on the device (a host-side check would wait for the device).
+// The rows this thread takes (R of them, -1 past the end) and their in1 rows, asserted to be in
+// range on the device (a host-side check would wait for the device).
+template <int R>
 struct ThreadRows {
-  int64_t row[kRows];
-  int64_t src[kRows];
+  int64_t row[R];
+  int64_t src[R];
   int lane;
 };
 
-C10_DEVICE C10_ALWAYS_INLINE ThreadRows thread_rows(const int64_t* __restrict__ idx1, const Geometry& g) {
-  ThreadRows t;
+template <int R>
+C10_DEVICE C10_ALWAYS_INLINE ThreadRows<R> thread_rows(const int64_t* __restrict__ idx1, const Geometry& g) {
+  ThreadRows<R> t;
   t.lane = threadIdx.x & (g.lanes - 1);
   const int64_t slots = kThreads >> g.lanes_log2;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * slots * kRows + (threadIdx.x >> g.lanes_log2);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * slots * R + (threadIdx.x >> g.lanes_log2);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     const int64_t row = first + r * slots;
     t.row[r] = row < g.rows ? row : -1;
     t.src[r] = row < g.rows ? idx1[row] : -1;
   }
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int r = 0; r < R; ++r) {
     if (t.row[r] >= 0) {
       CUDA_KERNEL_ASSERT_MSG(t.src[r] >= 0 && t.src[r] < g.in1_rows,
                              "index_mul_2d: idx1 has a value out of range [0, in1.size(0))");
@@ -125,22 +141,22 @@ __global__ void __launch_bounds__(kThreads)
     forward_kernel(T* __restrict__ out, const T* __restrict__ in1, const T* __restrict__ in2,
                    const int64_t* __restrict__ idx1, Geometry g) {
   using A = Acc<T>;
-  const ThreadRows t = thread_rows(idx1, g);
-  for (int v = t.lane; v < g.vectors; v += g.lanes) {
-    const int64_t col = static_cast<int64_t>(v) * W;
+  const auto t = thread_rows<kRows>(idx1, g);
+  for (int64_t v = t.lane; v < g.vectors; v += g.lanes) {
+    const int64_t col = v * W;
     A a[kRows][W], b[kRows][W];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (t.row[r] < 0) continue;
-      load<W>(b[r], in2 + t.row[r] * g.features + col);
-      load<W>(a[r], in1 + t.src[r] * g.features + col);
+      load<W, Reuse::kStreamed>(b[r], in2 + t.row[r] * g.features + col);
+      load<W, Reuse::kGathered>(a[r], in1 + t.src[r] * g.features + col);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (t.row[r] < 0) continue;
 #pragma unroll
       for (int j = 0; j < W; ++j) a[r][j] *= b[r][j];
-      store<W>(out + t.row[r] * g.features + col, a[r]);
+      store_streamed<W>(out + t.row[r] * g.features + col, a[r]);
     }
   }
 }
@@ -151,17 +167,17 @@ __global__ void __launch_bounds__(kThreads)
                     const T* __restrict__ in1, const T* __restrict__ in2, const int64_t* __restrict__ idx1,
                     Geometry g) {
   using A = Acc<T>;
-  const ThreadRows t = thread_rows(idx1, g);
-  for (int v = t.lane; v < g.vectors; v += g.lanes) {
-    const int64_t col = static_cast<int64_t>(v) * W;
+  const auto t = thread_rows<kRows>(idx1, g);
+  for (int64_t v = t.lane; v < g.vectors; v += g.lanes) {
+    const int64_t col = v * W;
     A go[kRows][W], a[kRows][W], b[kRows][W];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (t.row[r] < 0) continue;
       const int64_t at = t.row[r] * g.features + col;
-      load<W>(go[r], grad_out + at);
-      load<W>(b[r], in2 + at);
-      load<W>(a[r], in1 + t.src[r] * g.features + col);
+      load<W, Reuse::kStreamed>(go[r], grad_out + at);
+      load<W, Reuse::kStreamed>(b[r], in2 + at);
+      load<W, Reuse::kGathered>(a[r], in1 + t.src[r] * g.features + col);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -171,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
         a[r][j] *= go[r][j];
         b[r][j] *= go[r][j];
       }
-      store<W>(grad_in2 + t.row[r] * g.features + col, a[r]);
+      store_streamed<W>(grad_in2 + t.row[r] * g.features + col, a[r]);
       atomic_add<W>(grad_in1 + t.src[r] * g.features + col, b[r]);
     }
   }
@@ -184,23 +200,24 @@ __global__ void __launch_bounds__(kThreads)
                              const T* __restrict__ grad_out, const T* __restrict__ in1, const T* __restrict__ in2,
                              const int64_t* __restrict__ idx1, Geometry g) {
   using A = Acc<T>;
-  const ThreadRows t = thread_rows(idx1, g);
-  for (int v = t.lane; v < g.vectors; v += g.lanes) {
-    const int64_t col = static_cast<int64_t>(v) * W;
-    A gg1[kRows][W], gg2[kRows][W], go[kRows][W], a[kRows][W], b[kRows][W];
+  constexpr int R = kRowsBackwardBackward;
+  const auto t = thread_rows<R>(idx1, g);
+  for (int64_t v = t.lane; v < g.vectors; v += g.lanes) {
+    const int64_t col = v * W;
+    A gg1[R][W], gg2[R][W], go[R][W], a[R][W], b[R][W];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       if (t.row[r] < 0) continue;
       const int64_t at = t.row[r] * g.features + col;
       const int64_t from = t.src[r] * g.features + col;
-      load<W>(gg2[r], grad_grad_in2 + at);
-      load<W>(go[r], grad_out + at);
-      load<W>(b[r], in2 + at);
-      load<W>(gg1[r], grad_grad_in1 + from);
-      load<W>(a[r], in1 + from);
+      load<W, Reuse::kStreamed>(gg2[r], grad_grad_in2 + at);
+      load<W, Reuse::kStreamed>(go[r], grad_out + at);
+      load<W, Reuse::kStreamed>(b[r], in2 + at);
+      load<W, Reuse::kGathered>(gg1[r], grad_grad_in1 + from);
+      load<W, Reuse::kGathered>(a[r], in1 + from);
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < R; ++r) {
       if (t.row[r] < 0) continue;
       const int64_t at = t.row[r] * g.features + col;
 #pragma unroll
@@ -209,8 +226,8 @@ __global__ void __launch_bounds__(kThreads)
         gg1[r][j] *= go[r][j];                              // grad_in2
         gg2[r][j] *= go[r][j];                              // into grad_in1
       }
-      store<W>(grad_grad_out + at, b[r]);
-      store<W>(grad_in2 + at, gg1[r]);
+      store_streamed<W>(grad_grad_out + at, b[r]);
+      store_streamed<W>(grad_in2 + at, gg1[r]);
       atomic_add<W>(grad_in1 + t.src[r] * g.features + col, gg2[r]);
     }
   }
@@ -280,7 +297,7 @@ int plan_width(int64_t features, std::initializer_list<const void*> pointers) {
 }
 
 Geometry plan_geometry(int64_t rows, int64_t features, int64_t in1_rows, int width) {
-  Geometry g{rows, features, in1_rows, static_cast<int>(features / width), 1, 0};
+  Geometry g{rows, features, in1_rows, features / width, 1, 0};
   while (g.lanes < g.vectors && g.lanes < kThreads) {
     g.lanes *= 2;
     ++g.lanes_log2;
@@ -288,8 +305,8 @@ Geometry plan_geometry(int64_t rows, int64_t features, int64_t in1_rows, int wid
   return g;
 }
 
-unsigned int blocks_for(const Geometry& g) {
-  const int64_t rows_per_block = static_cast<int64_t>(kThreads / g.lanes) * kRows;
+unsigned int blocks_for(const Geometry& g, int rows_per_thread) {
+  const int64_t rows_per_block = static_cast<int64_t>(kThreads / g.lanes) * rows_per_thread;
   return static_cast<unsigned int>(apex::ceil_div(g.rows, rows_per_block));
 }
 
@@ -321,7 +338,7 @@ at::Tensor index_mul_2d_cuda(const at::Tensor& in1, const at::Tensor& in2, const
     const int width = plan_width<T>(in2.size(1), {in1.const_data_ptr(), in2.const_data_ptr(), out.const_data_ptr()});
     const Geometry g = plan_geometry(in2.size(0), in2.size(1), in1.size(0), width);
     with_width<T>(width, [&](auto w) {
-      forward_kernel<T, decltype(w)::value><<<blocks_for(g), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      forward_kernel<T, decltype(w)::value><<<blocks_for(g, kRows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           out.mutable_data_ptr<T>(), in1.const_data_ptr<T>(), in2.const_data_ptr<T>(), idx1.const_data_ptr<int64_t>(),
           g);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -346,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> index_mul_2d_backward_cuda(const at::Tensor& 
                                                     grad_out.const_data_ptr(), grad_in2.const_data_ptr()});
       const Geometry g = plan_geometry(in2.size(0), in2.size(1), in1.size(0), width);
       with_width<T>(width, [&](auto w) {
-        backward_kernel<T, decltype(w)::value><<<blocks_for(g), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        backward_kernel<T, decltype(w)::value><<<blocks_for(g, kRows), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             acc.mutable_data_ptr<Acc<T>>(), grad_in2.mutable_data_ptr<T>(), grad_out.const_data_ptr<T>(),
             in1.const_data_ptr<T>(), in2.const_data_ptr<T>(), idx1.const_data_ptr<int64_t>(), g);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -380,7 +397,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> index_mul_2d_backward_backward_cu
       const Geometry g = plan_geometry(in2.size(0), in2.size(1), in1.size(0), width);
       with_width<T>(width, [&](auto w) {
         backward_backward_kernel<T, decltype(w)::value>
-            <<<blocks_for(g), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            <<<blocks_for(g, kRowsBackwardBackward), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
                 grad_grad_out.mutable_data_ptr<T>(), acc.mutable_data_ptr<Acc<T>>(), grad_in2.mutable_data_ptr<T>(),
                 grad_grad_in1.const_data_ptr<T>(), grad_grad_in2.const_data_ptr<T>(), grad_out.const_data_ptr<T>(),
                 in1.const_data_ptr<T>(), in2.const_data_ptr<T>(), idx1.const_data_ptr<int64_t>(), g);
