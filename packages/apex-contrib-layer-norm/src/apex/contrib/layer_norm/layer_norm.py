@@ -213,8 +213,9 @@ def _fast_layer_norm(x, gamma, beta, epsilon, memory_efficient):
     check_forward("FastLayerNorm", x, gamma, beta, epsilon, False)
     hidden = gamma.numel()
     output_dtype = None if gamma.dtype == x.dtype else gamma.dtype
-    w = gamma.reshape(hidden).contiguous()
-    b = beta.reshape(hidden).contiguous()
+    # The module's 1-D parameters go in as they are: a view would add an autograd node per call.
+    w = (gamma if gamma.dim() == 1 else gamma.reshape(hidden)).contiguous()
+    b = (beta if beta.dim() == 1 else beta.reshape(hidden)).contiguous()
     return _ops.norm_forward(x.contiguous(), w, b, (hidden,), epsilon, False, memory_efficient, output_dtype)[0]
 
 
