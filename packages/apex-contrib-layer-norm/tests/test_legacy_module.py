@@ -261,3 +261,20 @@ def test_plugin_provides_the_legacy_module():
     assert (PLUGIN.name, PLUGIN.distribution, PLUGIN.kernel_library) == ("layer_norm", "apex-contrib-layer-norm", None)
     assert PLUGIN.provides == ("apex.contrib.layer_norm", "fast_layer_norm")
     assert "apex-normalization" in PLUGIN.requires
+
+
+def test_missing_apex_normalization_is_named():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'apex.normalization':\n"
+        "            raise ModuleNotFoundError('No module named apex.normalization', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import fast_layer_norm\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "apex-normalization's layer norm kernels, which is not installed: pip install apex-normalization" in (
+        done.stderr
+    )

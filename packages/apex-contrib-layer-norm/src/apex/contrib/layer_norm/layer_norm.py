@@ -14,8 +14,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import apex.normalization  # noqa: F401  (registers torch.ops.apex_normalization)
 from apex._autocast_utils import _cast_if_autocast_enabled
+
+try:
+    import apex.normalization  # noqa: F401  (registers torch.ops.apex_normalization)
+except ModuleNotFoundError as exc:  # a dependency, but an install with --no-deps can lack it
+    if exc.name != "apex.normalization":
+        raise
+    raise ModuleNotFoundError(
+        "apex.contrib.layer_norm runs apex-normalization's layer norm kernels, which is not installed: "
+        "pip install apex-normalization",
+        name=exc.name,
+    ) from exc
 
 _ops = torch.ops.apex_normalization
 _HALF = (torch.float16, torch.bfloat16)
