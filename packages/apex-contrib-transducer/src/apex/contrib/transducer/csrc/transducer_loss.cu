@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kRowWarps * 32)
 // blockIdx.y == 0: alpha, == 1: beta (and the loss). One diagonal per step, thread tid owns
 // u = tid + j * blockDim.x.
 template <typename T>
-__global__ void sweep_kernel(Lattice l, const acc_t<T>* __restrict__ lp_blank, const acc_t<T>* __restrict__ lp_label,
+__global__ void __launch_bounds__(kMaxSweepThreads) sweep_kernel(Lattice l, const acc_t<T>* __restrict__ lp_blank, const acc_t<T>* __restrict__ lp_label,
                              acc_t<T>* __restrict__ alpha, acc_t<T>* __restrict__ beta, T* __restrict__ loss) {
   using A = acc_t<T>;
   extern __shared__ unsigned char smem_bytes[];
