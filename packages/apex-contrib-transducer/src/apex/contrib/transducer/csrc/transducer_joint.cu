@@ -119,6 +119,10 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
       const bool valid = t < bt.F && u < bt.G;
       A v[VW];
       Vec<uint8_t, VW> m;
+      // The high word of the element index is the same across the vector (it starts at a multiple
+      // of VW, and 2^32 is one), so the inner hash is taken once.
+      const auto e0 = static_cast<uint64_t>(out_row * l.H + h0);
+      const uint32_t inner = (kMasked && seed != nullptr) ? mix32(static_cast<uint32_t>(e0 >> 32) ^ key) : 0u;
 #pragma unroll
       for (int j = 0; j < VW; ++j) {
         if (!valid) {
@@ -130,8 +134,7 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
         if constexpr (kMasked) {
           bool keep = relu ? v[j] > A(0) : true;
           if (seed != nullptr) {
-            const auto e = static_cast<uint64_t>(out_row * l.H + h0 + j);
-            const uint32_t r = mix32(static_cast<uint32_t>(e) ^ mix32(static_cast<uint32_t>(e >> 32) ^ key));
+            const uint32_t r = mix32(static_cast<uint32_t>(e0 + j) ^ inner);
             keep = keep && static_cast<uint64_t>(r) < threshold;
             v[j] = v[j] * static_cast<A>(scale);
           }
