@@ -45,3 +45,35 @@ def test_plugin_provides_the_legacy_modules():
 
     assert set(LEGACY) <= set(PLUGIN.provides)
     assert "apex.contrib.transducer" in PLUGIN.provides
+
+
+def test_upstreams_test_oracles_agree_with_the_modules():
+    import torch
+
+    from apex.contrib.transducer import TransducerJoint, TransducerLoss
+    from apex.contrib.transducer._transducer_ref import transducer_joint_reference, transducer_loss_reference
+
+    B, T, U, H, V = 2, 5, 4, 8, 6
+    f = torch.randn(B, T, H, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(B, U, H, dtype=torch.float64, requires_grad=True)
+    f_len = torch.tensor([5, 3], dtype=torch.int32)
+    g_len = torch.tensor([4, 2], dtype=torch.int32)
+    h_grad = torch.randn(B, T, U, H, dtype=torch.float64)
+    h, f_grad, _ = transducer_joint_reference(f, g, h_grad, f_len, g_len, False, True, False)
+    torch.testing.assert_close(h, TransducerJoint(relu=True)(f, g, f_len, g_len).detach())
+    # upstream's oracle back-propagates the padded rows too
+    torch.testing.assert_close(f_grad, ((f[:, :, None] + g[:, None]) > 0).double().mul(h_grad).sum(2))
+
+    x = torch.randn(B, T, U, V, dtype=torch.float64, requires_grad=True)
+    label = torch.randint(1, V, (B, U - 1), dtype=torch.int32)
+    y_len = torch.tensor([3, 1], dtype=torch.int32)
+    loss_grad = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    alpha, beta, x_grad, loss = transducer_loss_reference(x, label, f_len, y_len, 0, loss_grad)
+    x2 = x.detach().requires_grad_()
+    debug = []
+    ours = TransducerLoss()(x2, label, f_len, y_len, 0, debug_list=debug)
+    (ours_grad,) = torch.autograd.grad(ours, x2, loss_grad)
+    torch.testing.assert_close(loss, ours.detach())
+    torch.testing.assert_close(x_grad, ours_grad)
+    torch.testing.assert_close(alpha, debug[0])
+    torch.testing.assert_close(beta, debug[1])
