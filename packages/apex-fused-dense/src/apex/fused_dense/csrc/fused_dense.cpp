@@ -29,6 +29,7 @@
 #include <tuple>
 
 #include <apex/checks.h>
+#include <apex/cublaslt.h>
 
 namespace {
 
@@ -133,6 +134,7 @@ struct Gemm {
 bool run_lt(const Gemm& g) {
   const int64_t int_max = std::numeric_limits<int32_t>::max();
   if (g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+  if (!apex::lt::epilogue_enabled(g.epilogue)) return false;  // APEX_CUBLASLT_DISABLE (benchmarks)
   // cuBLASLt's dimensions and leading dimensions are 64-bit, but keep to the sizes it is
   // documented and tested for; larger problems go through ATen (which splits them as needed).
   if (g.m > int_max || g.n > int_max || g.k > int_max) return false;
@@ -205,19 +207,29 @@ bool run_lt(const Gemm& g) {
   if (!ok) return false;
 
   cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-  cublasLtMatmulHeuristicResult_t heuristic = {};
-  int found = 0;
-  if (cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(),
-                                     layout_d.get(), pref.get(), 1, &heuristic, &found) != CUBLAS_STATUS_SUCCESS ||
-      found == 0) {
-    return false;
-  }
+  const apex::lt::AlgoKey key = {g.transpose_a,      g.transpose_b, g.m,       g.n,       g.k,
+                                 g.lda,              g.ldb,         g.ldd,     g.epilogue, ab_type,
+                                 d_type,             compute,       align_a,   align_b,   align_d,
+                                 g.aux_ld,           g.beta != 0.0f, kWorkspaceBytes, g.d->get_device(), 0};
+  cublasLtMatmulAlgo_t algo = {};
+  const bool found = apex::lt::cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
+    cublasLtMatmulHeuristicResult_t heuristic = {};
+    int count = 0;
+    if (cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(),
+                                       layout_d.get(), pref.get(), 1, &heuristic, &count) != CUBLAS_STATUS_SUCCESS ||
+        count == 0) {
+      return false;
+    }
+    *out = heuristic.algo;
+    return true;
+  });
+  if (!found) return false;
   at::Tensor workspace = at::empty({kWorkspaceBytes}, g.d->options().dtype(at::kByte));
   const float alpha = 1.0f;
   const cublasStatus_t status =
       cublasLtMatmul(handle, desc.get(), &alpha, g.a->const_data_ptr(), layout_a.get(), g.b->const_data_ptr(),
                      layout_b.get(), &g.beta, g.d->data_ptr(), layout_d.get(), g.d->data_ptr(), layout_d.get(),
-                     &heuristic.algo, workspace.data_ptr(), kWorkspaceBytes, at::cuda::getCurrentCUDAStream());
+                     &algo, workspace.data_ptr(), kWorkspaceBytes, at::cuda::getCurrentCUDAStream());
   // Argument errors are reported before anything is launched, so D is untouched on failure.
   return status == CUBLAS_STATUS_SUCCESS;
 }

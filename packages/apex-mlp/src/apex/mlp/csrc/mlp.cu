@@ -30,6 +30,7 @@
 #include <vector>
 
 #include <apex/checks.h>
+#include <apex/cublaslt.h>
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
 #include <apex/vectorized.cuh>
@@ -168,6 +169,7 @@ class Lt {
 
   bool run(const Gemm& g) {
     if (!usable_ || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+    if (!apex::lt::epilogue_enabled(g.epilogue)) return false;  // APEX_CUBLASLT_DISABLE (benchmarks)
     for (const int64_t ld : {g.lda, g.ldb, g.ldd}) {
       if (ld * element_bytes_ % static_cast<int64_t>(kAlignment) != 0) return false;
     }
@@ -203,18 +205,28 @@ class Lt {
     set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment);
 
     cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-    cublasLtMatmulHeuristicResult_t heuristic = {};
-    int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), a_layout.get(), b_layout.get(),
-                                                                 d_layout.get(), d_layout.get(), pref.get(), 1,
-                                                                 &heuristic, &found);
-    if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+    const apex::lt::AlgoKey key = {g.transa, g.transb, g.m,       g.n,       g.k,
+                                   g.lda,    g.ldb,    g.ldd,     g.epilogue, type_,
+                                   compute_, g.aux_ld, alignment, kWorkspaceBytes, device_.index(),
+                                   0,        0,        0,         0,          0};
+    cublasLtMatmulAlgo_t algo = {};
+    const bool found = apex::lt::cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
+      cublasLtMatmulHeuristicResult_t heuristic = {};
+      int count = 0;
+      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+          handle, desc.get(), a_layout.get(), b_layout.get(), d_layout.get(), d_layout.get(), pref.get(), 1, &heuristic,
+          &count);
+      if (status != CUBLAS_STATUS_SUCCESS || count == 0) return false;
+      *out = heuristic.algo;
+      return true;
+    });
+    if (!found) return false;
 
     const float alpha = 1.0f;
     const float beta = 0.0f;
     // A configuration cuBLASLt refuses at launch (it checks before queuing any work) also falls back.
     return cublasLtMatmul(handle, desc.get(), &alpha, g.a, a_layout.get(), g.b, b_layout.get(), &beta, g.d,
-                          d_layout.get(), g.d, d_layout.get(), &heuristic.algo, workspace(), kWorkspaceBytes,
+                          d_layout.get(), g.d, d_layout.get(), &algo, workspace(), kWorkspaceBytes,
                           at::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
   }
 

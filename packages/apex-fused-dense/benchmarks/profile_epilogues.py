@@ -1,0 +1,125 @@
+"""What each cuBLASLt epilogue is worth: apex-fused-dense's and apex-mlp's forward+backward with
+every fused epilogue on, and with some of them replaced by a plain GEMM and ATen ops
+(APEX_CUBLASLT_DISABLE, read on every call), against eager PyTorch, in one process (CUDA only).
+
+    python packages/apex-fused-dense/benchmarks/profile_epilogues.py [--samples N] [--kernels]
+
+--kernels also prints the CUDA kernels (name, total ms over 5 steps) of ours and of eager at the
+first shape, from torch.profiler: which GEMM kernels cuBLASLt picked with each epilogue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch import nn
+
+from apex.core.benchmarking import require_cuda, time_ms
+from apex.fused_dense import FusedDense, FusedDenseGeluDense
+
+DTYPE = torch.bfloat16
+SHAPES = [(8192, 1024), (8192, 4096)]
+GELU_VARIANTS = ["", "gelu_aux", "dgelu", "bgradb", "bias", "gelu_aux,dgelu", "all"]
+DENSE_VARIANTS = ["", "bias", "bgradb", "all"]
+MLP_VARIANTS = ["", "relu_aux", "drelu", "bgradb", "relu", "relu_aux,drelu", "all"]
+
+
+def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    params = list(module.parameters())
+    return lambda: torch.autograd.grad(module(x), [x, *params], dy)
+
+
+def timed(fn, samples: int, disable: str = "") -> float:
+    os.environ["APEX_CUBLASLT_DISABLE"] = disable
+    try:
+        return time_ms([fn], samples)
+    finally:
+        os.environ.pop("APEX_CUBLASLT_DISABLE", None)
+
+
+def kernels(fn, label: str, disable: str = "") -> None:
+    os.environ["APEX_CUBLASLT_DISABLE"] = disable
+    try:
+        fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+    finally:
+        os.environ.pop("APEX_CUBLASLT_DISABLE", None)
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / 1e3
+    print(f"-- kernels of {label} (disable={disable or '-'}), ms over 5 steps")
+    for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"   {ms:8.3f}  {name[:150]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=15)
+    parser.add_argument("--kernels", action="store_true")
+    args = parser.parse_args()
+    if not require_cuda("profile_epilogues"):
+        return 1
+    s = args.samples
+    for tokens, hidden in SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
+        ours = FusedDenseGeluDense(hidden, 4 * hidden, hidden).to("cuda", DTYPE)
+        eager = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
+        eager = eager.to("cuda", DTYPE)
+        dy = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
+        base = timed(step(eager, x, dy), s)
+        print(f"== FusedDenseGeluDense {tokens}x{hidden}x{4 * hidden}: eager {base:.3f} ms")
+        for v in GELU_VARIANTS:
+            ms = timed(step(ours, x, dy), s, v)
+            print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+        if args.kernels and (tokens, hidden) == SHAPES[0]:
+            kernels(step(ours, x, dy), "FusedDenseGeluDense")
+            kernels(step(ours, x, dy), "FusedDenseGeluDense", "all")
+            kernels(step(eager, x, dy), "eager Linear-GELU-Linear")
+
+        ours = FusedDense(hidden, 4 * hidden).to("cuda", DTYPE)
+        eager = nn.Linear(hidden, 4 * hidden).to("cuda", DTYPE)
+        dy = torch.randn(tokens, 4 * hidden, device="cuda", dtype=DTYPE)
+        base = timed(step(eager, x, dy), s)
+        print(f"== FusedDense {tokens}x{hidden}x{4 * hidden}: eager {base:.3f} ms")
+        for v in DENSE_VARIANTS:
+            ms = timed(step(ours, x, dy), s, v)
+            print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+        if args.kernels and (tokens, hidden) == SHAPES[0]:
+            kernels(step(ours, x, dy), "FusedDense")
+            kernels(step(eager, x, dy), "eager Linear")
+        del ours, eager, x, dy
+
+    try:
+        from apex.mlp import MLP
+    except ImportError:
+        return 0
+    sizes, batch = [1024, 4096, 4096, 1024], 8192
+    torch.manual_seed(0)
+    ours = MLP(sizes).to("cuda", DTYPE)
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 1):
+        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.ReLU()]
+    eager = nn.Sequential(*layers).to("cuda", DTYPE)
+    x = torch.randn(batch, sizes[0], device="cuda", dtype=DTYPE, requires_grad=True)
+    dy = torch.randn(batch, sizes[-1], device="cuda", dtype=DTYPE)
+    base = timed(step(eager, x, dy), s)
+    print(f"== MLP {batch} {'-'.join(map(str, sizes))}: eager {base:.3f} ms")
+    for v in MLP_VARIANTS:
+        ms = timed(step(ours, x, dy), s, v)
+        print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+    if args.kernels:
+        kernels(step(ours, x, dy), "MLP")
+        kernels(step(eager, x, dy), "eager MLP")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
