@@ -71,7 +71,7 @@ def test_l2_matches_float64(device, dtype, clips):
     total, expected = reference(grads, max_norm, 2.0)
     before = [g.clone() for g in grads]
     norm = clip_grad_norm_(params, max_norm)
-    assert (norm.shape, norm.dtype, norm.device) == ((), dtype, torch.device(device))
+    assert (norm.shape, norm.dtype, norm.device) == ((), dtype, grads[0].device)
     torch.testing.assert_close(norm.cpu().double(), total, rtol=eps(dtype) + 1e-5, atol=0)
     assert all(p.grad is g for p, g in zip(params, grads))  # in place
     assert_clipped(grads, expected)

@@ -132,10 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         exact = loss_and_grad(lambda t: formula(t, one_hot.double(), ALPHA, GAMMA) / num_pos.double()[0], x.double())
         got, tv = loss_and_grad(ours, x), loss_and_grad(theirs, x)
         ours_err, tv_err = differences(got, exact), differences(tv, exact)
-        match = differences(got, tv)
+        # The match is against torchvision on the float32 upcast of the same logits: in float16
+        # its sum over 120000 x 91 terms overflows to inf (the "tv vs f64" column shows it).
+        upcast = x.float() if dtype != torch.float32 else x
+        match = differences(got, loss_and_grad(theirs_with(one_hot), upcast))
         ok = max(match) <= MATCH_TOLERANCE[dtype]
+        how = " on the float32 upcast" if dtype != torch.float32 else ""
         verdicts.append(
-            f"{'PASS' if ok else 'FAIL'}: {name} ours matches {reference_name} "
+            f"{'PASS' if ok else 'FAIL'}: {name} ours matches {reference_name}{how} "
             f"(loss {match[0]:.1e}, gradient {match[1]:.1e}, bar {MATCH_TOLERANCE[dtype]:.0e})"
         )
         impls = {"ours": ours, "theirs": theirs, "compiled": compiled}

@@ -208,7 +208,7 @@ def test_gradient_that_arrives_expanded(device):
     in1.requires_grad_()
     in2.requires_grad_()
     index_mul_2d(in1, in2, idx1).sum().backward()  # the gradient is an expanded scalar
-    ones = torch.ones(11, 5, dtype=torch.float64)
+    ones = torch.ones(11, 5, dtype=torch.float64, device=in1.device)
     expected_in1, abs_terms, expected_in2 = float64_backward(ones, in1.detach(), in2.detach(), idx1)
     assert_rounded_from(in2.grad, expected_in2)
     assert_sum_close(in1.grad, expected_in1, abs_terms, most_repeated(idx1, 6))

@@ -303,8 +303,10 @@ def test_torch_compile_fullgraph(device, fuse):
     for fn in (loss, compiled):
         value = fn(w)
         results.append((value.detach(), *torch.autograd.grad(value, w)))
+    # Inductor generates its own matmul and log_softmax (fuse=False): float32 roundings apart.
+    tol = 1e-4 if device == "cuda" else 1e-5
     for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
 
 
 # the legacy module -------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ __device__ __forceinline__ Batch batch_of(const Layout& l, int64_t b) {
 template <typename T, int VW, bool kMasked>
 __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g,
                                                                  Layout l, bool relu, const int64_t* seed,
-                                                                 uint64_t threshold, float scale, T* __restrict__ out,
+                                                                 uint64_t threshold, double scale, T* __restrict__ out,
                                                                  uint8_t* __restrict__ mask) {
   using A = acc_t<T>;
   const int lane = threadIdx.x % kLanes;
@@ -150,7 +150,7 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
 
 template <typename T, int VW, bool kMasked>
 __global__ void __launch_bounds__(kThreads, 2)
-    joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, float scale,
+    joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, double scale,
                           T* __restrict__ f_grad, T* __restrict__ g_grad, acc_t<T>* __restrict__ g_partial) {
   using A = acc_t<T>;
   constexpr int kChunk = kLanes * VW;  // H elements per block
@@ -318,8 +318,8 @@ std::tuple<at::Tensor, at::Tensor> joint_forward_cuda(const at::Tensor& f, const
            0};
   const int64_t* seed_ptr = seed.has_value() ? seed->const_data_ptr<int64_t>() : nullptr;
   const uint64_t threshold = static_cast<uint64_t>(std::floor((1.0 - dropout_prob) * 4294967296.0));
-  const float scale = seed.has_value() ? (dropout_prob < 1.0 ? static_cast<float>(1.0 / (1.0 - dropout_prob)) : 0.0f)
-                                       : 1.0f;
+  // In double: float64 input scales by the double 1 / (1 - p), the others by its float rounding.
+  const double scale = seed.has_value() ? (dropout_prob < 1.0 ? 1.0 / (1.0 - dropout_prob) : 0.0) : 1.0;
   const auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(f.scalar_type(), op, "f", [&](auto tag) {
     using T_ = typename decltype(tag)::type;
@@ -411,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       l.h_chunks = apex::ceil_div(H, kLanes * VW);
       const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
       joint_backward_kernel<T_, VW, M><<<blocks, kThreads, 0, stream>>>(
-          grad.const_data_ptr<T_>(), mask_ptr, l, static_cast<float>(scale), f_grad.mutable_data_ptr<T_>(),
+          grad.const_data_ptr<T_>(), mask_ptr, l, scale, f_grad.mutable_data_ptr<T_>(),
           g_grad.mutable_data_ptr<T_>(), partial_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
