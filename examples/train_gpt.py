@@ -12,6 +12,11 @@ fused kernels as packages are installed:
 - mixed precision: ``apex.amp`` at ``--opt-level`` (O2 by default on a GPU) if installed, else
   ``torch.autocast`` (``--precision``).
 
+``--stack native`` trains the same model with PyTorch's pieces only, for comparison:
+``torch.nn.utils.clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``,
+``torch.nn.LayerNorm`` and ``torch.autocast`` (``--precision``). ``--stack apex`` (the default) is
+the list above.
+
 It prints, per apex op family, the kernel tier that ran (aot, jit or reference and why), then
 the train and validation loss and throughput every ``--eval-interval`` steps, and finally a
 text sample. The exit status is 0 only if the validation loss went down.
@@ -19,6 +24,7 @@ text sample. The exit status is 0 only if the validation loss went down.
     python examples/train_gpt.py                  # CPU, or the GPU when there is one
     python examples/train_gpt.py --device cpu --steps 100 --eval-interval 25
     python examples/train_gpt.py --opt-level O2 --precision bf16   # apex.amp, bf16 model
+    python examples/train_gpt.py --stack native                     # PyTorch's pieces only
     python examples/train_gpt.py --nproc 2 --steps 100              # data parallel on 2 processes
 
 With ``--nproc N`` (N > 1) the script starts N processes (NCCL with one GPU each when there are N
@@ -70,9 +76,13 @@ class Choice:
     note: str = ""
 
 
-def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Optimizer, Choice]:
-    """FusedAdam (decoupled weight decay) when apex-optimizers is installed, else AdamW."""
+def pick_optimizer(param_groups: list[dict], lr: float, stack: str = "apex") -> tuple[torch.optim.Optimizer, Choice]:
+    """FusedAdam (decoupled weight decay) when apex-optimizers is installed, else AdamW; AdamW(fused=True)
+    in the native stack."""
     betas = (0.9, 0.95)
+    if stack == "native":
+        optimizer = torch.optim.AdamW(param_groups, lr=lr, betas=betas, fused=True)
+        return optimizer, Choice("optimizer", "torch.optim.AdamW(fused=True)", note="--stack native")
     try:
         from apex.optimizers import FusedAdam
     except ImportError as exc:
@@ -82,8 +92,11 @@ def pick_optimizer(param_groups: list[dict], lr: float) -> tuple[torch.optim.Opt
     return optimizer, Choice("optimizer", "apex.optimizers.FusedAdam", "optimizers")
 
 
-def pick_norm() -> tuple[type[nn.Module], Choice]:
-    """FusedLayerNorm when apex-normalization is installed, else torch.nn.LayerNorm."""
+def pick_norm(stack: str = "apex") -> tuple[type[nn.Module], Choice]:
+    """FusedLayerNorm when apex-normalization is installed, else torch.nn.LayerNorm (always in the
+    native stack)."""
+    if stack == "native":
+        return nn.LayerNorm, Choice("norm", "torch.nn.LayerNorm", note="--stack native")
     try:
         from apex.normalization import FusedLayerNorm
     except ImportError as exc:
@@ -91,8 +104,10 @@ def pick_norm() -> tuple[type[nn.Module], Choice]:
     return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", "normalization")
 
 
-def pick_amp(opt_level: str, precision: str, use_cuda: bool):
+def pick_amp(opt_level: str, precision: str, use_cuda: bool, stack: str = "apex"):
     """apex.amp and the opt level to run it at (None: plain torch.autocast), and why."""
+    if stack == "native":
+        return None, None, Choice("amp", "off", note="--stack native: torch.autocast per --precision")
     if opt_level == "auto" and precision == "fp32":
         return None, None, Choice("amp", "off", note="--precision fp32")
     if opt_level == "none":
@@ -298,6 +313,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
+        "--stack",
+        choices=("apex", "native"),
+        default="apex",
+        help="apex: the apex pieces that are installed (PyTorch's stand in for the others); native: PyTorch's "
+        "pieces only (AdamW(fused=True), nn.LayerNorm, torch.autocast, clip_grad_norm_(foreach=True))",
+    )
+    p.add_argument(
         "--precision",
         choices=("auto", "fp32", "bf16", "fp16"),
         default="auto",
@@ -341,8 +363,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--device cuda --nproc {args.nproc}, but only {torch.cuda.device_count()} GPUs are visible")
     if args.steps < 1 or args.eval_interval < 1:
         p.error("--steps and --eval-interval must be positive")
-    if args.precision == "fp16" and args.opt_level == "none":
-        p.error("--precision fp16 needs loss scaling: use it with an --opt-level")
+    if args.stack == "native" and args.opt_level not in ("auto", "none"):
+        p.error(f"--opt-level {args.opt_level} is apex.amp's: use it with --stack apex")
+    if args.precision == "fp16" and (args.opt_level == "none" or args.stack == "native"):
+        p.error("--precision fp16 needs loss scaling: use it with --stack apex and an --opt-level")
     if args.precision == "fp32" and args.opt_level in ("O1", "O2", "O3"):
         p.error(f"--opt-level {args.opt_level} computes in reduced precision: use --precision bf16/fp16, or O0")
     return args
@@ -364,8 +388,13 @@ def wants_cuda(args: argparse.Namespace) -> bool:
     return args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
 
 
-def wrap_data_parallel(model: nn.Module) -> nn.Module:
-    """apex.parallel.DistributedDataParallel, after converting any batch norm to SyncBatchNorm."""
+def wrap_data_parallel(model: nn.Module, stack: str = "apex") -> nn.Module:
+    """apex.parallel.DistributedDataParallel, after converting any batch norm to SyncBatchNorm
+    (torch's DistributedDataParallel in the native stack)."""
+    if stack == "native":
+        device = next(model.parameters()).device
+        device_ids = [device] if device.type == "cuda" else None
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     from apex.parallel import DistributedDataParallel, convert_syncbn_model
 
     if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
@@ -415,7 +444,7 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
     torch.manual_seed(args.seed)
     use_cuda = wants_cuda(args)
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    amp, opt_level, amp_choice = pick_amp(args.opt_level, args.precision, use_cuda)
+    amp, opt_level, amp_choice = pick_amp(args.opt_level, args.precision, use_cuda, args.stack)
     bf16_ok = not use_cuda or torch.cuda.is_bf16_supported()
     if amp is not None:  # amp casts inside the model: no autocast around it
         half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.precision)
@@ -432,9 +461,9 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
 
     data = CharData(args.corpus.read_text(encoding="utf-8"), device)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
-    norm, norm_choice = pick_norm()
+    norm, norm_choice = pick_norm(args.stack)
     model = GPT(cfg, norm).to(device)
-    optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr)
+    optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr, args.stack)
     if amp is not None:
         dtype_args = {}
         if half is not None and opt_level in ("O2", "O3"):
@@ -443,20 +472,27 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
             dtype_args["autocast_dtype"] = half
         model, optimizer = amp.initialize(model, optimizer, opt_level=opt_level, verbosity=0, **dtype_args)
         amp_choice.name += f" ({precision}, loss scale {amp._amp_state.opt_properties.loss_scale})"
-    net = wrap_data_parallel(model) if world > 1 else model  # trains; model evaluates and samples
+    net = wrap_data_parallel(model, args.stack) if world > 1 else model  # trains; model evaluates and samples
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
-    clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", "core")
+    if args.stack == "native":
+        clip_choice = Choice("grad clip", "torch clip_grad_norm_(foreach=True)", note="--stack native")
+    else:
+        clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", "core")
     params = [p for p in model.parameters() if p.requires_grad]
     noop_flag = torch.zeros(1, dtype=torch.int32, device=device)
 
     n_params = sum(p.numel() for p in params)
     device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
     mixed = f"apex.amp {opt_level}" if amp is not None else "torch.autocast" if precision != "fp32" else "none"
-    print(f"torch {torch.__version__} | device {device} ({device_name}) | precision {precision} ({mixed})")
+    print(
+        f"torch {torch.__version__} | device {device} ({device_name}) | precision {precision} ({mixed}) | "
+        f"stack {args.stack}"
+    )
     if world > 1:
         print(
             f"data parallel: {world} processes ({torch.distributed.get_backend()}), "
-            f"apex.parallel.DistributedDataParallel, {args.batch_size // world} sequences per rank"
+            f"{'torch.nn.parallel' if args.stack == 'native' else 'apex.parallel'}.DistributedDataParallel, "
+            f"{args.batch_size // world} sequences per rank"
         )
     print(
         f"corpus {args.corpus.name}: {sum(len(s) for s in data.splits.values())} chars, vocab {cfg.vocab_size}, "
@@ -489,7 +525,10 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
                 scaled_loss.backward()
             # Unscaled gradients of what the optimizer steps (amp's fp32 masters, where it keeps them).
             grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
-        grad_norm = clip_grad_norm_(grads, args.max_grad_norm, noop_flag)
+        if args.stack == "native":
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm, foreach=True)
+        else:
+            grad_norm = clip_grad_norm_(grads, args.max_grad_norm, noop_flag)
         optimizer.step()
         scheduler.step()
         return grad_norm
@@ -506,7 +545,7 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
             # The first step may have loaded or JIT-compiled kernels: report the tiers it ran
             # with, and leave it out of the throughput.
             sync()
-            print("apex pieces (kernel tier after the first step):")
+            print(f"{args.stack} pieces (kernel tier after the first step):")
             for choice in (clip_choice, opt_choice, norm_choice, amp_choice):
                 if choice.kernels is not None:
                     print(describe_kernels(choice, device))

@@ -1,0 +1,854 @@
+"""End to end: one training step with the whole apex stack against the best PyTorch-native stack.
+
+Models (written here; no downloads; data is the repository's corpus as byte tokens, or random images):
+
+- ``gpt2``: GPT-2 small, 124M (LayerNorm, GELU MLP, learned positions, tied embeddings, vocabulary
+  50304), batch 16 x 1024;
+- ``llama1b``: a Llama-style decoder of 1.24B (16 layers, width 2048, 32 query / 8 key-value heads,
+  RMSNorm, rotary embeddings, SwiGLU MLP 8192, tied embeddings, vocabulary 128256), batch 8 x 2048;
+- ``resnet50``: torchvision's ResNet-50 (imported only when selected), channels-last, batch 256 at
+  224 x 224, random images and labels.
+
+Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, optimizer step):
+
+- ``native-eager``: ``torch.autocast(bf16)``, ``nn.LayerNorm`` / ``nn.RMSNorm``, PyTorch's rotary
+  expression, ``F.cross_entropy``, ``clip_grad_norm_(foreach=True)``, ``AdamW(fused=True)``
+  (``SGD(fused=True, momentum=0.9)`` for ResNet-50);
+- ``native-compiled``: the same with the model and its loss under ``torch.compile`` (default mode);
+- ``apex-eager``: ``amp.initialize(opt_level="O2", cast_model_type=torch.bfloat16)``,
+  ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form, ``fused_apply_rotary_pos_emb``,
+  ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
+  backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50);
+- ``apex-compiled``: the apex stack with the model and its loss under ``torch.compile``.
+
+Attention is ``F.scaled_dot_product_attention(is_causal=True)`` in every stack. Clipping and the
+optimizer step run eagerly in the compiled stacks (both are fused kernels already). All stacks start
+from the same weights (one seeded initialisation, loaded into each) and see the same batches.
+
+Timing: every variant is built and warmed up in turn (its peak memory is measured then, while only
+the variants before it are resident), one step after warm-up runs under
+``torch.cuda.set_sync_debug_mode("error")`` (host syncs: pass or the error), then ``--rounds``
+rounds in which each variant in turn (rotating order) runs ``--steps`` back-to-back steps timed with
+CUDA events; ms/step is the median over rounds. MFU is the model FLOPs per step (counted by
+``torch.utils.flop_counter.FlopCounterMode`` on one native forward and backward: matmuls,
+convolutions and attention, causal attention counted as full) against the bf16 matmul rate measured
+in the same run. The losses of the first step and the 50th step (or the last, when fewer run) are
+printed; the stacks should agree to within bf16 noise.
+
+    python benchmarks/bench_e2e.py                         # every model and stack, on the GPU
+    python benchmarks/bench_e2e.py --models gpt2 --stacks native-compiled,apex-eager,apex-compiled
+    python benchmarks/bench_e2e.py --out DIR --plot DIR/bench_e2e.png
+    python benchmarks/bench_e2e.py --smoke --stacks native-eager,apex-eager   # tiny models, CPU is fine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from apex import amp
+from apex.contrib.clip_grad import clip_grad_norm_ as apex_clip_grad_norm_
+from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+from apex.core.benchmarking import markdown_table, report, require_cuda, time_ms, verdict
+from apex.fused_dense import FusedDenseGeluDense
+from apex.normalization import FusedLayerNorm, FusedRMSNorm
+from apex.optimizers import FusedAdam, FusedSGD
+from apex.transformer.functional import fused_apply_rotary_pos_emb
+
+NAME = "bench_e2e"
+CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny_corpus.txt"
+STACKS = ("native-eager", "native-compiled", "apex-eager", "apex-compiled")
+MAX_GRAD_NORM = 1.0
+NORM_EPS = 1e-5
+LATE_STEP = 50  # the step whose loss is compared across stacks (or the last step, if fewer run)
+# The issue's bars: apex's faster stack against native compiled, per model.
+SPEEDUP_BAR = {"gpt2": 1.2, "llama1b": 1.2, "resnet50": 1.05}
+EAGER_BAR = {"gpt2": 1.0, "llama1b": 1.0}  # apex eager against native compiled
+
+
+# The building blocks of one stack ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Kit:
+    """What a model is built from in one stack: PyTorch's modules and expressions, or apex's."""
+
+    apex: bool
+    # Key and value heads repeated for the query heads before attention: only for counting FLOPs, as
+    # older FlopCounterModes refuse grouped-query shapes (the count is the same).
+    expand_kv: bool = False
+
+    def layer_norm(self, width: int) -> nn.Module:
+        return FusedLayerNorm(width, eps=NORM_EPS) if self.apex else nn.LayerNorm(width, eps=NORM_EPS)
+
+    def rms_norm(self, width: int) -> nn.Module:
+        return FusedRMSNorm(width, eps=NORM_EPS) if self.apex else nn.RMSNorm(width, eps=NORM_EPS)
+
+    def add_norm(self, norm: nn.Module, x: torch.Tensor, pending: torch.Tensor | None):
+        """``(norm(x + pending), x + pending)``: the residual add before a pre-norm, fused in apex."""
+        if pending is None:
+            return norm(x), x
+        if self.apex:
+            return norm(pending, x)
+        x = x + pending
+        return norm(x), x
+
+    def gelu_mlp(self, width: int, hidden: int) -> nn.Module:
+        return FusedDenseGeluDense(width, hidden, width) if self.apex else GeluMLP(width, hidden)
+
+    def rope_table(self, freqs: torch.Tensor):
+        """From float32 angles ``[s, d]``: apex's ``[s, 1, 1, d]``, or native ``(cos, sin)`` ``[s, 1, d]``."""
+        if self.apex:
+            return freqs[:, None, None, :]
+        return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def rope(self, t: torch.Tensor, table) -> torch.Tensor:
+        """Rotate-half RoPE of ``t`` ``[b, s, h, d]``; returns ``[b, s, h, d]``."""
+        if self.apex:  # the op takes [s, b, h, d]; its output laid out [b, s, h, d] in memory
+            return fused_apply_rotary_pos_emb(t.transpose(0, 1), table, transpose_output_memory=True).transpose(0, 1)
+        cos, sin = (c.to(t.dtype) for c in table)
+        t1, t2 = t.chunk(2, dim=-1)
+        return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of ``logits [n, classes]``."""
+        if self.apex:  # per-row float32 losses; the gradient overwrites the logits (the head's output)
+            return SoftmaxCrossEntropyLoss.apply(logits, targets, 0.0, None, True, True).mean()
+        return F.cross_entropy(logits, targets)
+
+
+class GeluMLP(nn.Module):
+    """``Linear -> GELU(tanh) -> Linear`` with FusedDenseGeluDense's parameter names, so one state
+    dict loads into both stacks."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.weight1 = nn.Parameter(torch.empty(hidden, width))
+        self.bias1 = nn.Parameter(torch.zeros(hidden))
+        self.weight2 = nn.Parameter(torch.empty(width, hidden))
+        self.bias2 = nn.Parameter(torch.zeros(width))
+        nn.init.normal_(self.weight1, std=0.02)
+        nn.init.normal_(self.weight2, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, self.weight1, self.bias1), approximate="tanh"), self.weight2, self.bias2)
+
+
+# Models ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab: int
+    seq: int
+    batch: int
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int = 0  # Llama: grouped-query attention
+    ffn: int = 0  # Llama: SwiGLU hidden size
+    rope_theta: float = 500000.0
+
+
+def init_transformer(model: nn.Module, layers: int) -> None:
+    """GPT-2's initialisation: N(0, 0.02), zero biases, residual projections scaled by 1/sqrt(2 layers)."""
+    for name, p in model.named_parameters():
+        if p.dim() < 2:
+            continue  # biases were zeroed, norm weights are ones
+        std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.weight2", "w2.weight")) else 0.02
+        nn.init.normal_(p, std=std)
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: TransformerConfig, kit: Kit):
+        super().__init__()
+        self.kit, self.heads = kit, cfg.heads
+        self.norm1 = kit.layer_norm(cfg.width)
+        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
+        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.norm2 = kit.layer_norm(cfg.width)
+        self.mlp = kit.gelu_mlp(cfg.width, 4 * cfg.width)
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None):
+        """The residual stream is ``x + pending``; returns the next block's ``(x, pending)``."""
+        h, x = self.kit.add_norm(self.norm1, x, pending)
+        b, s, w = h.shape
+        q, k, v = (t.view(b, s, self.heads, w // self.heads).transpose(1, 2) for t in self.qkv(h).split(w, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, w)
+        h, x = self.kit.add_norm(self.norm2, x, self.proj(y))
+        return x, self.mlp(h)
+
+
+class GPT2(nn.Module):
+    def __init__(self, cfg: TransformerConfig, kit: Kit):
+        super().__init__()
+        self.kit = kit
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.pos = nn.Embedding(cfg.seq, cfg.width)
+        self.blocks = nn.ModuleList(GPT2Block(cfg, kit) for _ in range(cfg.layers))
+        self.norm_f = kit.layer_norm(cfg.width)
+        init_transformer(self, cfg.layers)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x, pending = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device)), None
+        for block in self.blocks:
+            x, pending = block(x, pending)
+        h, _ = self.kit.add_norm(self.norm_f, x, pending)
+        logits = F.linear(h, self.tok.weight)  # tied embeddings
+        return self.kit.loss(logits.flatten(0, 1), targets.flatten())
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig, kit: Kit):
+        super().__init__()
+        self.kit, self.heads, self.kv_heads = kit, cfg.heads, cfg.kv_heads
+        self.head_dim = cfg.width // cfg.heads
+        self.norm1 = kit.rms_norm(cfg.width)
+        self.wqkv = nn.Linear(cfg.width, (cfg.heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.width, cfg.width, bias=False)
+        self.norm2 = kit.rms_norm(cfg.width)
+        self.w13 = nn.Linear(cfg.width, 2 * cfg.ffn, bias=False)  # gate and up projections together
+        self.w2 = nn.Linear(cfg.ffn, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope):
+        h, x = self.kit.add_norm(self.norm1, x, pending)
+        b, s, w = h.shape
+        d = self.head_dim
+        q, k, v = self.wqkv(h).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=2)
+        q = self.kit.rope(q.view(b, s, self.heads, d), rope).transpose(1, 2)
+        k = self.kit.rope(k.view(b, s, self.kv_heads, d), rope).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, d).transpose(1, 2)
+        if self.kit.expand_kv:
+            k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.kit.expand_kv)
+        h, x = self.kit.add_norm(self.norm2, x, self.proj(y.transpose(1, 2).reshape(b, s, w)))
+        gate, up = self.w13(h).chunk(2, dim=-1)
+        return x, self.w2(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: TransformerConfig, kit: Kit):
+        super().__init__()
+        self.kit, self.cfg = kit, cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
+        self.blocks = nn.ModuleList(LlamaBlock(cfg, kit) for _ in range(cfg.layers))
+        self.norm_f = kit.rms_norm(cfg.width)
+        init_transformer(self, cfg.layers)
+
+    def rope_angles(self, seq: int, device: torch.device) -> torch.Tensor:
+        """float32 ``[seq, head_dim]``: position times inverse frequency, both halves alike (rotate-half)."""
+        d = self.cfg.width // self.cfg.heads
+        inv_freq = self.cfg.rope_theta ** (-torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+        angles = torch.arange(seq, device=device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        return torch.cat((angles, angles), dim=-1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rope = self.kit.rope_table(self.rope_angles(idx.shape[1], idx.device))
+        x, pending = self.tok(idx), None
+        for block in self.blocks:
+            x, pending = block(x, pending, rope)
+        h, _ = self.kit.add_norm(self.norm_f, x, pending)
+        logits = F.linear(h, self.tok.weight)  # tied embeddings
+        return self.kit.loss(logits.flatten(0, 1), targets.flatten())
+
+
+class Classifier(nn.Module):
+    """An image model and its loss, so that amp's casts and torch.compile take both."""
+
+    def __init__(self, net: nn.Module, kit: Kit):
+        super().__init__()
+        self.kit, self.net = kit, net
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.kit.loss(self.net(images), labels)
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    batch: int
+    size: int
+    classes: int = 1000
+    tiny: bool = False
+
+
+def resnet(cfg: ImageConfig) -> tuple[Callable[[], nn.Module], str]:
+    """torchvision's ResNet-50 (its constructor and name), or for smoke runs its smallest bottleneck
+    ResNet, or our stand-in where torchvision is not installed."""
+    try:
+        import torchvision
+    except ImportError as exc:
+        if not cfg.tiny:
+            raise SystemExit(f"{NAME}: resnet50 needs torchvision ({exc}); leave it out with --models") from exc
+        return lambda: TinyResNet(cfg.classes), "a stand-in bottleneck CNN (torchvision is not installed)"
+    if cfg.tiny:
+        bottleneck = torchvision.models.resnet.Bottleneck
+        build = lambda: torchvision.models.resnet.ResNet(bottleneck, [1, 1, 1, 1], num_classes=cfg.classes)  # noqa: E731
+        return build, f"torchvision {torchvision.__version__} ResNet with one bottleneck per stage"
+    return torchvision.models.resnet50, f"torchvision {torchvision.__version__} resnet50"
+
+
+class TinyResNet(nn.Module):
+    """Two bottleneck residual blocks with batch norm: the smoke run's CNN when torchvision is missing."""
+
+    def __init__(self, classes: int, width: int = 16):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.Conv2d(width, width // 4, 1, bias=False),
+                nn.BatchNorm2d(width // 4),
+                nn.ReLU(),
+                nn.Conv2d(width // 4, width // 4, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width // 4),
+                nn.ReLU(),
+                nn.Conv2d(width // 4, width, 1, bias=False),
+                nn.BatchNorm2d(width),
+            )
+            for _ in range(2)
+        )
+        self.fc = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = F.relu(x + block(x))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+# What each model needs ---------------------------------------------------------------------
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    unit: str  # what throughput counts: tokens or images
+    cfg: object
+    build: Callable[[Kit], nn.Module]
+    make_batches: Callable[[torch.device, int], list[tuple[torch.Tensor, torch.Tensor]]]
+    optimizer: str  # adam or sgd
+    lr: float
+    weight_decay: float
+    channels_last: bool = False
+    describe: str = ""
+
+
+def corpus_batches(cfg: TransformerConfig, device: torch.device, count: int, seed: int):
+    """``count`` batches of byte-token windows of the corpus at seeded offsets (inputs, targets)."""
+    data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+    if len(data) <= cfg.seq + 1:  # a corpus shorter than the context repeats
+        data = data.repeat(math.ceil((cfg.seq + 2) / len(data)))
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        starts = torch.randint(len(data) - cfg.seq - 1, (cfg.batch,), generator=gen)
+        window = data[starts[:, None] + torch.arange(cfg.seq + 1)]
+        batches.append((window[:, :-1].to(device), window[:, 1:].to(device)))
+    return batches
+
+
+def image_batches(cfg: ImageConfig, device: torch.device, count: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        images = torch.randn(cfg.batch, 3, cfg.size, cfg.size, generator=gen)
+        labels = torch.randint(cfg.classes, (cfg.batch,), generator=gen)
+        batches.append((images.to(device, memory_format=torch.channels_last), labels.to(device)))
+    return batches
+
+
+def model_spec(name: str, smoke: bool, seed: int) -> ModelSpec:
+    if name in ("gpt2", "llama1b"):
+        if name == "gpt2":
+            cfg = TransformerConfig(vocab=50304, seq=1024, batch=16, layers=12, width=768, heads=12)
+            if smoke:
+                cfg = TransformerConfig(vocab=512, seq=32, batch=2, layers=2, width=64, heads=4)
+            arch = GPT2
+        else:
+            cfg = TransformerConfig(128256, 2048, 8, layers=16, width=2048, heads=32, kv_heads=8, ffn=8192)
+            if smoke:
+                cfg = TransformerConfig(512, 32, 2, layers=2, width=64, heads=4, kv_heads=2, ffn=128)
+            arch = Llama
+        return ModelSpec(
+            name,
+            "tokens",
+            cfg,
+            lambda kit: arch(cfg, kit),
+            lambda device, count: corpus_batches(cfg, device, count, seed),
+            "adam",
+            lr=6e-4,
+            weight_decay=0.1,
+            describe=f"batch {cfg.batch} x {cfg.seq}, {cfg.layers} layers, width {cfg.width}, vocabulary {cfg.vocab}",
+        )
+    if name == "resnet50":
+        cfg = ImageConfig(batch=4, size=32, classes=10, tiny=True) if smoke else ImageConfig(batch=256, size=224)
+        net, net_name = resnet(cfg)
+        return ModelSpec(
+            name,
+            "images",
+            cfg,
+            lambda kit: Classifier(net(), kit),
+            lambda device, count: image_batches(cfg, device, count, seed),
+            "sgd",
+            lr=0.05,
+            weight_decay=5e-5,
+            channels_last=True,
+            describe=f"{net_name}, batch {cfg.batch} at {cfg.size} x {cfg.size}, {cfg.classes} classes, channels-last",
+        )
+    raise SystemExit(f"{NAME}: unknown model {name!r}; choose from gpt2, llama1b, resnet50")
+
+
+# One stack training one model --------------------------------------------------------------
+
+
+def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and convolution kernels; biases, norm weights and positions are left alone."""
+    decay, rest = [], []
+    for name, p in module.named_parameters():
+        (decay if p.dim() >= 2 and not name.startswith("pos.") else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+@dataclass
+class Variant:
+    stack: str
+    module: nn.Module  # as trained (amp-initialized in apex stacks), not compiled
+    run: Callable  # the module, or its compiled form
+    optimizer: torch.optim.Optimizer
+    clip_params: list[torch.Tensor]
+    batches: list
+    device: torch.device
+    losses: list[torch.Tensor] = field(default_factory=list)
+    turn_ms: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+    host_syncs: str = "n/a"
+    graph_breaks: int | None = None
+
+    @property
+    def apex(self) -> bool:
+        return self.stack.startswith("apex")
+
+    def step(self) -> None:
+        inputs, targets = self.batches[len(self.losses) % len(self.batches)]
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.apex:
+            loss = self.run(inputs, targets)
+            with amp.scale_loss(loss, self.optimizer) as scaled:
+                scaled.backward()
+            apex_clip_grad_norm_(self.clip_params, MAX_GRAD_NORM)
+        else:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.run(inputs, targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.clip_params, MAX_GRAD_NORM, foreach=True)
+        self.optimizer.step()
+        self.losses.append(loss.detach())
+
+    def release_grads(self) -> None:
+        """Free the gradients between turns, so that the variants waiting hold less memory."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def build_variant(stack: str, spec: ModelSpec, state: dict, batches: list, device: torch.device) -> Variant:
+    kit = Kit(apex=stack.startswith("apex"))
+    with torch.device(device):
+        module = spec.build(kit)
+    module.load_state_dict(state)
+    if spec.channels_last:
+        module.to(memory_format=torch.channels_last)
+    groups = param_groups(module, spec.weight_decay)
+    if kit.apex:
+        if spec.optimizer == "adam":
+            optimizer = FusedAdam(groups, lr=spec.lr, betas=(0.9, 0.95), adam_w_mode=True)
+        else:
+            optimizer = FusedSGD(groups, lr=spec.lr, momentum=0.9)
+        module, optimizer = amp.initialize(
+            module, optimizer, opt_level="O2", cast_model_type=torch.bfloat16, verbosity=0
+        )
+        clip_params = list(amp.master_params(optimizer))
+    else:
+        if spec.optimizer == "adam":
+            optimizer = torch.optim.AdamW(groups, lr=spec.lr, betas=(0.9, 0.95), fused=True)
+        else:
+            optimizer = torch.optim.SGD(groups, lr=spec.lr, momentum=0.9, fused=True)
+        clip_params = list(module.parameters())
+    run = torch.compile(module) if stack.endswith("compiled") else module
+    return Variant(stack, module, run, optimizer, clip_params, batches, device)
+
+
+def count_flops(spec: ModelSpec, state: dict, batch, device: torch.device) -> int:
+    """Forward + backward FLOPs of one step, counted on a native eager copy (apex's fused ops are
+    opaque to the counter)."""
+    with torch.device(device):
+        module = spec.build(Kit(apex=False, expand_kv=True))
+    module.load_state_dict(state)
+    if spec.channels_last:
+        module.to(memory_format=torch.channels_last)
+    with FlopCounterMode(display=False) as counter:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = module(*batch)
+        loss.backward()
+    return counter.get_total_flops()
+
+
+def timed_steps_ms(variant: Variant, steps: int) -> float:
+    """Per-step time of ``steps`` back-to-back steps (CUDA events on the GPU, the host clock on the CPU)."""
+    if variant.device.type == "cuda":
+        return time_ms([variant.step], samples=1, min_calls=steps, warmup=0)
+    start = time.perf_counter()
+    for _ in range(steps):
+        variant.step()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def check_host_syncs(variant: Variant) -> str:
+    """One step under ``set_sync_debug_mode("error")``: "pass", or the error it raised."""
+    if variant.device.type != "cuda":
+        return "n/a (CPU)"
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        variant.step()
+    except RuntimeError as exc:  # the step stops where it synced; its loss is not recorded
+        return "FAIL: " + str(exc).strip().splitlines()[0][:120]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return "pass"
+
+
+def profile_step(variant: Variant, rows: int) -> list[str]:
+    """torch.profiler's table of one step (the ops that cost the most device time, or host time on the
+    CPU), for the note of a missed bar."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = variant.device.type == "cuda"
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        variant.step()
+        if cuda:
+            torch.cuda.synchronize()
+    variant.release_grads()
+    del variant.losses[-1]  # not a step of the comparison: the late-step loss stays an unprofiled step's
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return ["```", prof.key_averages().table(sort_by=sort_by, row_limit=rows), "```"]
+
+
+def graph_break_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def matmul_tflops(device: torch.device, smoke: bool) -> float:
+    """The bf16 matmul rate of this device, measured now (dense n x n x n)."""
+    n = 512 if smoke else 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    if device.type == "cuda":
+        ms = time_ms([lambda: torch.mm(a, b)], samples=10)
+    else:
+        torch.mm(a, b)
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b)
+        ms = (time.perf_counter() - start) * 1e3 / 3
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+# Running and reporting ---------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    model: str
+    spec: ModelSpec
+    flops: int
+    variants: list[Variant]
+    profiles: dict[str, list[str]] = field(default_factory=dict)
+
+    def ms(self, stack: str) -> float | None:
+        v = self.get(stack)
+        return statistics.median(v.turn_ms) if v is not None and v.turn_ms else None
+
+    def get(self, stack: str) -> Variant | None:
+        return next((v for v in self.variants if v.stack == stack), None)
+
+
+def run_model(name: str, stacks: list[str], args, device: torch.device) -> Result:
+    spec = model_spec(name, args.smoke, args.seed)
+    print(f"{name}: {spec.describe}; building {', '.join(stacks)}", file=sys.stderr, flush=True)
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        reference = spec.build(Kit(apex=False))
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    del reference
+    batches = spec.make_batches(device, args.batch_pool)
+    flops = count_flops(spec, state, batches[0], device)
+
+    variants = []
+    for stack in stacks:
+        # Built and warmed up one at a time: the peak over this stretch, less what the variants before
+        # it hold, is this variant's own peak (weights, gradients, optimizer state, activations).
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        breaks = graph_break_count()
+        variant = build_variant(stack, spec, state, batches, device)
+        for _ in range(args.warmup):
+            variant.step()
+        if stack.endswith("compiled"):
+            variant.graph_breaks = graph_break_count() - breaks
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            variant.peak_bytes = torch.cuda.max_memory_allocated() - before
+        variant.host_syncs = check_host_syncs(variant)
+        variant.release_grads()
+        variants.append(variant)
+        print(f"  {stack}: warmed up ({args.warmup} steps)", file=sys.stderr, flush=True)
+    del state
+
+    for r in range(args.rounds):
+        for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            variant.turn_ms.append(timed_steps_ms(variant, args.steps))
+            variant.release_grads()
+    profiles = {}
+    if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
+        for variant in variants:
+            profiles[variant.stack] = profile_step(variant, args.profile)
+    return Result(name, spec, flops, variants, profiles)
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def late_step(result: Result) -> int:
+    return min(LATE_STEP, min(len(v.losses) for v in result.variants))
+
+
+def table_rows(results: list[Result], rate_tflops: float) -> list[list[str]]:
+    rows = []
+    for res in results:
+        per_step = (
+            res.spec.cfg.batch * res.spec.cfg.seq if res.spec.unit == "tokens" else res.spec.cfg.batch
+        )  # tokens or images
+        late = late_step(res)
+        native_compiled = res.ms("native-compiled")
+        for v in res.variants:
+            ms = res.ms(v.stack)
+            mfu = res.flops / (ms * 1e-3) / (rate_tflops * 1e12) if ms else None
+            rows.append(
+                [
+                    res.model,
+                    v.stack,
+                    fmt(ms, ".2f"),
+                    fmt(per_step / (ms * 1e-3) if ms else None, ",.0f"),
+                    fmt(100 * mfu if mfu is not None else None, ".3g") + ("%" if mfu is not None else ""),
+                    fmt(v.peak_bytes / 2**30 if v.peak_bytes is not None else None, ".2f"),
+                    f"{v.losses[0].item():.4f}",
+                    f"{v.losses[late - 1].item():.4f}",
+                    v.host_syncs,
+                    "-" if v.graph_breaks is None else str(v.graph_breaks),
+                    fmt(native_compiled / ms if native_compiled and ms else None, ".3f") + "x" * bool(native_compiled),
+                ]
+            )
+    return rows
+
+
+def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
+    lines = []
+    for res in results:
+        m = res.model
+        native_compiled = res.ms("native-compiled")
+        apex_ms = [res.ms(s) for s in ("apex-eager", "apex-compiled") if res.ms(s) is not None]
+        if native_compiled is None:
+            lines.append(f"SKIP: {m}: the speed and memory bars compare against native-compiled, not run")
+        else:
+            if apex_ms and m in SPEEDUP_BAR:
+                lines.append(
+                    verdict(
+                        f"{m}: apex (faster stack) / native compiled", native_compiled / min(apex_ms), SPEEDUP_BAR[m]
+                    )
+                )
+            if res.ms("apex-eager") is not None and m in EAGER_BAR:
+                lines.append(
+                    verdict(f"{m}: apex eager / native compiled", native_compiled / res.ms("apex-eager"), EAGER_BAR[m])
+                )
+            nc_peak = res.get("native-compiled").peak_bytes
+            for stack in ("apex-eager", "apex-compiled"):
+                v = res.get(stack)
+                if v is not None and v.peak_bytes and nc_peak:
+                    lines.append(verdict(f"{m}: native compiled peak memory / {stack}'s", nc_peak / v.peak_bytes, 1.0))
+        for stack in ("apex-eager", "apex-compiled"):
+            v = res.get(stack)
+            if v is not None and v.host_syncs != "n/a (CPU)":
+                lines.append(f"{'PASS' if v.host_syncs == 'pass' else 'FAIL'}: {m}: no host sync in a {stack} step")
+            if v is not None and v.graph_breaks:
+                lines.append(f"FAIL: {m}: {stack} has {v.graph_breaks} graph breaks (a bug to fix)")
+        base = res.get("native-eager") or res.variants[0]
+        late = late_step(res)
+        for v in res.variants:
+            if v is base:
+                continue
+            ref, got = base.losses[late - 1].item(), v.losses[late - 1].item()
+            ok = abs(got - ref) <= loss_rtol * abs(ref)
+            lines.append(
+                f"{'PASS' if ok else 'FAIL'}: {m}: {v.stack} loss at step {late} {got:.4f} within "
+                f"{100 * loss_rtol:g}% of {base.stack}'s {ref:.4f}"
+            )
+    return lines
+
+
+def emit(body: list[str], out: Path | None, notes: list[str], device: torch.device) -> None:
+    """apex.core.benchmarking.report on the GPU; on the CPU (smoke runs) the same layout, by hand,
+    since report() names the CUDA device."""
+    if device.type == "cuda":
+        report(NAME, body, out=out, notes=notes)
+        return
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines = [
+        f"# {NAME}",
+        "",
+        f"- device: cpu; torch {torch.__version__}; {now:%Y-%m-%d %H:%M} UTC",
+        f"- command: `python {' '.join(sys.argv)}`",
+        *[f"- {note}" for note in notes],
+    ]
+    text = "\n".join([*lines, "", *body]) + "\n"
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{NAME}.md").write_text(text)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{NAME}: --plot {path}: matplotlib is not installed (pip install matplotlib); no plot written")
+        return
+    stacks = [s for s in STACKS if any(r.get(s) for r in results)]
+    fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(results), 4))
+    width = 0.8 / len(stacks)
+    for i, stack in enumerate(stacks):
+        xs = [j + (i - (len(stacks) - 1) / 2) * width for j in range(len(results))]
+        ys = [r.ms(stack) or 0.0 for r in results]
+        bars = ax.bar(xs, ys, width, label=stack)
+        ax.bar_label(bars, labels=[f"{y:.1f}" if y else "" for y in ys], fontsize=7)
+    ax.set_xticks(range(len(results)), [r.model for r in results])
+    ax.set_ylabel("ms / step (lower is better)")
+    ax.set_title(f"one training step, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=150)
+    print(f"{NAME}: plot written to {path}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="gpt2,llama1b,resnet50", help="comma-separated: gpt2, llama1b, resnet50")
+    p.add_argument("--stacks", default=",".join(STACKS), help=f"comma-separated: {', '.join(STACKS)}")
+    p.add_argument("--steps", type=int, default=10, help="back-to-back steps per timed turn")
+    p.add_argument("--rounds", type=int, default=5, help="rounds of turns (ms/step is their median)")
+    p.add_argument("--warmup", type=int, default=3, help="steps per variant before timing (compiles)")
+    p.add_argument("--batch-pool", type=int, default=8, help="distinct batches cycled through (same for all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss-rtol", type=float, default=0.03, help="late-step losses agree within this fraction")
+    p.add_argument("--smoke", action="store_true", help="tiny models, 1 step per turn, 1 round; CPU allowed")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cpu only with --smoke")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="ROWS", help="append a profiler table of one step per variant"
+    )
+    p.add_argument("--out", type=Path, help=f"also write the report to DIR/{NAME}.md")
+    p.add_argument("--plot", type=Path, help="a bar chart of ms/step per model and stack (needs matplotlib)")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
+    unknown = [s for s in args.stacks if s not in STACKS]
+    if unknown or not args.stacks:
+        p.error(f"--stacks: unknown {unknown}; choose from {', '.join(STACKS)}")
+    args.stacks = [s for s in STACKS if s in args.stacks]  # a fixed order for the table
+    if args.smoke:
+        defaults = {"steps": 10, "rounds": 5, "warmup": 3, "batch_pool": 8}
+        for key, small in {"steps": 1, "rounds": 1, "warmup": 1, "batch_pool": 2}.items():
+            if getattr(args, key) == defaults[key]:
+                setattr(args, key, small)
+    if min(args.steps, args.rounds, args.batch_pool) < 1 or args.warmup < 0:
+        p.error("--steps, --rounds and --batch-pool must be positive, --warmup not negative")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu" or (args.device == "auto" and args.smoke and not torch.cuda.is_available()):
+        if not args.smoke:
+            print(f"{NAME}: the CPU runs only --smoke", file=sys.stderr)
+            return 1
+        device = torch.device("cpu")
+    else:
+        if not require_cuda(NAME):
+            return 1
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cudnn.benchmark = True  # as upstream Apex's ImageNet example
+    rate = matmul_tflops(device, args.smoke)
+    results = [run_model(name, args.stacks, args, device) for name in args.models]
+
+    header = [
+        "model",
+        "stack",
+        "ms/step",
+        "tokens (images) /s",
+        "MFU",
+        "peak GiB",
+        "loss @1",
+        "loss @late",
+        "host syncs",
+        "graph breaks",
+        "native compiled / this",
+    ]
+    body = markdown_table(header, table_rows(results, rate))
+    body += ["", *verdicts(results, args.loss_rtol)]
+    for res in results:
+        for stack, table in res.profiles.items():
+            body += ["", f"## profile: {res.model}, {stack} (one step)", "", *table]
+    notes = [
+        f"bf16 matmul rate measured in this run: {rate:.4g} TFLOP/s (MFU's denominator)",
+        "models: " + "; ".join(f"{r.model}: {r.spec.describe}" for r in results),
+        "model FLOPs per step (FlopCounterMode, native forward + backward): "
+        + ", ".join(f"{r.model} {r.flops / 1e9:,.4g} GFLOP" for r in results),
+        f"timing: {args.warmup} warm-up steps per variant, then {args.rounds} rounds of {args.steps} steps per "
+        "variant in turns; ms/step is the median of rounds",
+        "loss @late: step " + ", ".join(f"{r.model} {late_step(r)}" for r in results) + f" (step {LATE_STEP} when run)",
+        "torch.compile in its default mode on the model and its loss; clipping and the optimizer step eager",
+        "peak GiB: a variant's own peak (build and warm-up, less what the variants before it hold)",
+    ]
+    if args.smoke:
+        notes.append("smoke run: tiny models; the timings and the bars say nothing about the full sizes")
+    emit(body, args.out, notes, device)
+    if args.plot is not None:
+        plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
