@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import statistics
 import sys
@@ -432,7 +433,7 @@ class Variant:
     clip_params: list[torch.Tensor]
     batches: list
     device: torch.device
-    losses: list[torch.Tensor] = field(default_factory=list)
+    losses: list = field(default_factory=list)  # one device scalar per step; floats once retired
     turn_ms: list[float] = field(default_factory=list)
     peak_bytes: int | None = None
     host_syncs: str = "n/a"
@@ -461,6 +462,11 @@ class Variant:
     def release_grads(self) -> None:
         """Free the gradients between turns, so that the variants waiting hold less memory."""
         self.optimizer.zero_grad(set_to_none=True)
+
+    def retire(self) -> None:
+        """Keep the measurements (losses as floats), let go of the model, optimizer and data."""
+        self.losses = torch.stack(self.losses).float().tolist()
+        self.module = self.run = self.optimizer = self.clip_params = self.batches = None
 
 
 def build_variant(stack: str, spec: ModelSpec, state: dict, batches: list, device: torch.device) -> Variant:
@@ -545,7 +551,7 @@ def profile_step(variant: Variant, rows: int) -> list[str]:
             torch.cuda.synchronize()
     variant.release_grads()
     del variant.losses[-1]  # not a step of the comparison: the late-step loss stays an unprofiled step's
-    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     return ["```", prof.key_averages().table(sort_by=sort_by, row_limit=rows), "```"]
 
 
@@ -553,6 +559,13 @@ def graph_break_count() -> int:
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())
+
+
+def compiled_graph_count() -> int:
+    """Graphs Dynamo has compiled so far: one that grows while timing means a recompile was timed."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def matmul_tflops(device: torch.device, smoke: bool) -> float:
@@ -581,6 +594,7 @@ class Result:
     flops: int
     variants: list[Variant]
     profiles: dict[str, list[str]] = field(default_factory=dict)
+    recompiles: int = 0  # graphs compiled during the timed rounds (should be none)
 
     def ms(self, stack: str) -> float | None:
         v = self.get(stack)
@@ -591,6 +605,7 @@ class Result:
 
 
 def run_model(name: str, stacks: list[str], args, device: torch.device) -> Result:
+    start = time.perf_counter()
     spec = model_spec(name, args.smoke, args.seed)
     print(f"{name}: {spec.describe}; building {', '.join(stacks)}", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
@@ -621,18 +636,32 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
         variant.host_syncs = check_host_syncs(variant)
         variant.release_grads()
         variants.append(variant)
-        print(f"  {stack}: warmed up ({args.warmup} steps)", file=sys.stderr, flush=True)
+        print(
+            f"  {stack}: built and warmed up ({args.warmup} steps) at {time.perf_counter() - start:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     del state
 
+    graphs = compiled_graph_count()
     for r in range(args.rounds):
         for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
             variant.turn_ms.append(timed_steps_ms(variant, args.steps))
             variant.release_grads()
+    recompiles = compiled_graph_count() - graphs
     profiles = {}
     if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
         for variant in variants:
             profiles[variant.stack] = profile_step(variant, args.profile)
-    return Result(name, spec, flops, variants, profiles)
+    for variant in variants:
+        variant.retire()
+    del batches
+    torch.compiler.reset()  # compiled graphs hold on to their modules
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    print(f"  {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return Result(name, spec, flops, variants, profiles, recompiles)
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -662,8 +691,8 @@ def table_rows(results: list[Result], rate_tflops: float) -> list[list[str]]:
                     fmt(per_step / (ms * 1e-3) if ms else None, ",.0f"),
                     fmt(100 * mfu if mfu is not None else None, ".3g") + ("%" if mfu is not None else ""),
                     fmt(v.peak_bytes / 2**30 if v.peak_bytes is not None else None, ".2f"),
-                    f"{v.losses[0].item():.4f}",
-                    f"{v.losses[late - 1].item():.4f}",
+                    f"{v.losses[0]:.4f}",
+                    f"{v.losses[late - 1]:.4f}",
                     v.host_syncs,
                     "-" if v.graph_breaks is None else str(v.graph_breaks),
                     fmt(native_compiled / ms if native_compiled and ms else None, ".3f") + "x" * bool(native_compiled),
@@ -676,6 +705,8 @@ def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
     lines = []
     for res in results:
         m = res.model
+        if res.recompiles:
+            lines.append(f"WARN: {m}: {res.recompiles} graphs were compiled during the timed rounds (more --warmup)")
         native_compiled = res.ms("native-compiled")
         apex_ms = [res.ms(s) for s in ("apex-eager", "apex-compiled") if res.ms(s) is not None]
         if native_compiled is None:
@@ -707,7 +738,7 @@ def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
         for v in res.variants:
             if v is base:
                 continue
-            ref, got = base.losses[late - 1].item(), v.losses[late - 1].item()
+            ref, got = base.losses[late - 1], v.losses[late - 1]
             ok = abs(got - ref) <= loss_rtol * abs(ref)
             lines.append(
                 f"{'PASS' if ok else 'FAIL'}: {m}: {v.stack} loss at step {late} {got:.4f} within "
