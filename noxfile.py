@@ -7,10 +7,13 @@ are never resolved against an index: packages install from this tree in dependen
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nox
@@ -22,7 +25,7 @@ WHEELHOUSE = ROOT / "wheelhouse"
 CPU_TORCH = "torch==2.13.0"  # a CPU build, on local disk on the dev/CI machines
 CUDA_TORCH = "torch==2.14.1"  # a CUDA 13 build that can compile extensions without a GPU
 BUILD_ARCH = "9.0"  # the H200 we prove kernels on
-TEST_TOOLS = ("pytest", "numpy")
+TEST_TOOLS = ("pytest", "pytest-xdist", "numpy")
 BUILD_TOOLS = ("setuptools>=69", "wheel", "ninja", "hatchling")
 EXPORT_TOOLS = ("onnx", "onnxscript", "onnxruntime")  # the ONNX export tests (tests session only)
 
@@ -42,7 +45,8 @@ def base_venv(session: nox.Session, torch: str = CPU_TORCH) -> None:
 
 
 def pytest_args(session: nox.Session, paths: list[str]) -> list[str]:
-    return ["pytest", *paths, "-p", "no:cacheprovider", *session.posargs]
+    # One worker per core (pytest-xdist): the suites are single-threaded Python on small tensors.
+    return ["pytest", *paths, "-p", "no:cacheprovider", "-n", "auto", *session.posargs]
 
 
 @nox.session
@@ -80,26 +84,39 @@ def build(session: nox.Session) -> None:
     out = ROOT / "build" / "nox-build"
     shutil.rmtree(out, ignore_errors=True)
     env = {"APEX_BUILD_OPS": "1", "TORCH_CUDA_ARCH_LIST": BUILD_ARCH, "MAX_JOBS": session.env.get("MAX_JOBS", "2")}
-    for folder in install_order():
+    wheel_args = ["python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out)]
+
+    def install_wheel(folder: Path) -> None:
+        name = project(folder)["name"].replace("-", "_")
+        session.install("--no-deps", "--no-index", "--force-reinstall", *map(str, out.glob(f"{name}-*.whl")))
+
+    folders = install_order()
+    kernels = [f for f in folders if is_kernel_package(f)]
+    # apex-core first (every kernel package's setup.py imports apex.core.build), then the others
+    # BUILD_JOBS at a time: most have one or two CUDA files, so one build alone leaves cores idle.
+    session.run(*wheel_args, str(kernels[0]), env=env)
+    install_wheel(kernels[0])
+    python = str(Path(session.bin) / "python")
+    logs = Path(session.create_tmp())
+
+    def compile_one(folder: Path) -> tuple[Path, int]:
+        with open(logs / f"{folder.name}.log", "w") as log:
+            command = [python, *wheel_args[1:], str(folder)]
+            path = session.bin + os.pathsep + os.environ.get("PATH", "")  # the venv's ninja first
+            full_env = {**os.environ, **env, "PATH": path, "VIRTUAL_ENV": str(Path(session.bin).parent)}
+            rc = subprocess.run(command, env=full_env, stdout=log, stderr=subprocess.STDOUT).returncode
+        return folder, rc
+
+    with ThreadPoolExecutor(max_workers=int(session.env.get("BUILD_JOBS", "2"))) as pool:
+        results = list(pool.map(compile_one, kernels[1:]))
+    for folder, rc in results:
+        session.log(f"{folder.name}: pip wheel exit {rc}\n" + (logs / f"{folder.name}.log").read_text()[-3000:])
+    failed = [folder.name for folder, rc in results if rc != 0]
+    if failed:
+        session.error(f"compile failed: {', '.join(failed)}")
+    for folder in folders[1:]:
         if is_kernel_package(folder):
-            session.run(
-                "python",
-                "-m",
-                "pip",
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "-w",
-                str(out),
-                str(folder),
-                env=env,
-            )
-            session.install(
-                "--no-deps",
-                "--no-index",
-                "--force-reinstall",
-                *map(str, out.glob(f"{project(folder)['name'].replace('-', '_')}-*.whl")),
-            )
+            install_wheel(folder)
         else:
             install_packages(session, [folder], editable=False)
     for wheel in out.glob("*.whl"):
