@@ -55,8 +55,8 @@ HEADER = [
     "compiled/ours",
     "ours GB/s",
     "% of copy",
-    "loss rel. diff ours | tv vs f64",
-    "grad diff ours | tv vs f64",
+    "loss rel. diff vs f64 (ours / tv)",
+    "grad diff vs f64 (ours / tv)",
 ]
 
 
