@@ -40,20 +40,65 @@ def install_packages(session: nox.Session, folders: list[Path], editable: bool =
         session.install("--no-deps", "--no-build-isolation", *args, env={"APEX_BUILD_OPS": "0"})
 
 
-def base_venv(session: nox.Session, torch: str = CPU_TORCH) -> None:
-    session.install(torch, *TEST_TOOLS, *BUILD_TOOLS)
+SHARED = ROOT / ".nox" / "_shared"  # CPU torch and the tools, installed once for every CPU session
+SHARED_REQUIREMENTS = (CPU_TORCH, *TEST_TOOLS, *BUILD_TOOLS, *EXPORT_TOOLS)
+
+
+def _shared_site() -> Path:
+    """The shared venv's site-packages, created on first use (and again when the requirements change).
+
+    One CPU torch install (about 1 GB with its dependencies) serves the tests, the isolated sessions and
+    the wheel check: fourteen copies filled the CI machine's disk."""
+    marker = SHARED / "requirements.txt"
+    wanted = "\n".join(SHARED_REQUIREMENTS) + "\n"
+    python = SHARED / "bin" / "python"
+    if not marker.is_file() or marker.read_text() != wanted:
+        shutil.rmtree(SHARED, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(SHARED)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", *SHARED_REQUIREMENTS], check=True)
+        marker.write_text(wanted)
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return Path(purelib.stdout.strip())
+
+
+def link_shared(python: str | Path) -> None:
+    """Put the shared venv's packages after ``python``'s own (a .pth file): pip, pytest, torch and the build
+    backends come from there, while whatever the session installs (our packages) stays in its own venv."""
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    target = Path(site.stdout.strip())
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "_apex_shared.pth").write_text(f"{_shared_site()}\n")
+
+
+def base_venv(session: nox.Session) -> None:
+    """The session's venv (made without pip, see ``CPU_VENV``) on the shared CPU torch and tools."""
+    link_shared(Path(session.bin) / "python")
+
+
+# The CPU sessions' venvs are made without pip: pip comes from the shared venv through the .pth file, so
+# the session's own site-packages holds only what the session installs.
+CPU_VENV = {"venv_params": ["--without-pip"]}
 
 
 def pytest_args(session: nox.Session, paths: list[str]) -> list[str]:
     # One worker per core (pytest-xdist): the suites are single-threaded Python on small tensors.
-    return ["pytest", *paths, "-p", "no:cacheprovider", "-n", "auto", *session.posargs]
+    return ["python", "-m", "pytest", *paths, "-p", "no:cacheprovider", "-n", "auto", *session.posargs]
 
 
-@nox.session
+@nox.session(**CPU_VENV)
 def tests(session: nox.Session) -> None:
     """Every package in one venv, CPU: the README's test command runs this among the defaults."""
     base_venv(session)
-    session.install(*EXPORT_TOOLS)
     install_packages(session, install_order())
     session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
     session.run(*pytest_args(session, [str(PACKAGES)]))
@@ -61,7 +106,7 @@ def tests(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks" / "bench_e2e.py"), "--smoke", "--stacks", "native-eager,apex-eager")
 
 
-@nox.session
+@nox.session(**CPU_VENV)
 @nox.parametrize("package", list(package_dirs()))
 def isolated(session: nox.Session, package: str) -> None:
     """A fresh venv with only ``package`` and what it depends on, then its tests."""
@@ -80,7 +125,10 @@ def isolated(session: nox.Session, package: str) -> None:
 @nox.session
 def build(session: nox.Session) -> None:
     """Compile every kernel package's CUDA sources for sm_90 without a GPU (catches compile errors)."""
-    base_venv(session, torch=CUDA_TORCH)
+    # CUDA torch and its dependencies but triton (0.9 GB the compile never uses): the CI disk is small.
+    session.install("--no-deps", CUDA_TORCH)
+    requires = session.run("python", "-c", _TORCH_REQUIRES, silent=True).split()
+    session.install(*requires, *TEST_TOOLS, *BUILD_TOOLS)
     out = ROOT / "build" / "nox-build"
     shutil.rmtree(out, ignore_errors=True)
     env = {"APEX_BUILD_OPS": "1", "TORCH_CUDA_ARCH_LIST": BUILD_ARCH, "MAX_JOBS": session.env.get("MAX_JOBS", "2")}
@@ -142,7 +190,7 @@ def _check_wheel(session: nox.Session, wheel: Path) -> str:
     return wheel.name.split("-")[1]
 
 
-@nox.session
+@nox.session(**CPU_VENV)
 def wheels(session: nox.Session) -> None:
     """Build every wheel into ./wheelhouse, check them, install apex[all] from it with --no-index, import all."""
     base_venv(session)
@@ -169,9 +217,9 @@ def wheels(session: nox.Session) -> None:
     session.log(f"{len(versions)} wheels, version {next(iter(versions.values()))}: {', '.join(versions)}")
     fresh = Path(session.create_tmp()) / "fresh"
     shutil.rmtree(fresh, ignore_errors=True)
-    session.run("python", "-m", "venv", str(fresh))
+    session.run("python", "-m", "venv", "--without-pip", str(fresh))
     python = str(fresh / "bin" / "python")
-    session.run(python, "-m", "pip", "install", "-q", CPU_TORCH, external=True)
+    link_shared(python)  # torch and pip from the shared venv; nothing of ours there
     session.run(
         python, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELHOUSE), "apex[all]", external=True
     )
@@ -179,6 +227,14 @@ def wheels(session: nox.Session) -> None:
     session.run(python, "-c", _IMPORT_CHECK.format(modules=modules), external=True)
     session.run(str(fresh / "bin" / "apex"), "report", external=True)
 
+
+_TORCH_REQUIRES = """
+import importlib.metadata as metadata
+for requirement in metadata.requires("torch"):
+    spec, _, marker = requirement.partition(";")
+    if "extra ==" not in marker and not spec.startswith("triton"):
+        print(spec.replace(" ", ""))
+"""
 
 _IMPORT_CHECK = """
 import importlib, sys, apex
@@ -196,7 +252,7 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session
+@nox.session(**CPU_VENV)
 def demo(session: nox.Session) -> None:
     """Train the tiny GPT of examples/ with every apex package installed."""
     base_venv(session)
