@@ -44,7 +44,6 @@ printed; the stacks should agree to within bf16 noise.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import math
 import statistics
@@ -747,27 +746,6 @@ def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
     return lines
 
 
-def emit(body: list[str], out: Path | None, notes: list[str], device: torch.device) -> None:
-    """apex.core.benchmarking.report on the GPU; on the CPU (smoke runs) the same layout, by hand,
-    since report() names the CUDA device."""
-    if device.type == "cuda":
-        report(NAME, body, out=out, notes=notes)
-        return
-    now = datetime.datetime.now(datetime.timezone.utc)
-    lines = [
-        f"# {NAME}",
-        "",
-        f"- device: cpu; torch {torch.__version__}; {now:%Y-%m-%d %H:%M} UTC",
-        f"- command: `python {' '.join(sys.argv)}`",
-        *[f"- {note}" for note in notes],
-    ]
-    text = "\n".join([*lines, "", *body]) + "\n"
-    print(text)
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{NAME}.md").write_text(text)
-
-
 def plot(results: list[Result], path: Path) -> None:
     try:
         import matplotlib
@@ -875,7 +853,7 @@ def main(argv=None) -> int:
     ]
     if args.smoke:
         notes.append("smoke run: tiny models; the timings and the bars say nothing about the full sizes")
-    emit(body, args.out, notes, device)
+    report(NAME, body, out=args.out, notes=notes, cpu=device.type == "cpu")
     if args.plot is not None:
         plot(results, args.plot)
     return 0

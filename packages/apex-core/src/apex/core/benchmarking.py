@@ -103,17 +103,22 @@ def report(
     copy_gbps: float | None = None,
     notes: Iterable[str] = (),
     devices: int = 1,
+    cpu: bool = False,
 ) -> str:
     """Print a benchmark's Markdown report and, with ``out``, write it to ``out/<name>.md``.
 
     The header: ``# name``; the device (``devices`` of them, with the NCCL version when more
-    than one), torch and CUDA versions and the UTC time; the command line; the copy bandwidth
-    measured in the run, when given; then one bullet per note. ``body`` (tables, verdicts)
-    follows after a blank line. Returns the text.
+    than one; the CPU and its thread count with ``cpu=True`` or where there is no GPU), torch
+    and CUDA versions and the UTC time; the command line; the copy bandwidth measured in the
+    run, when given; then one bullet per note. ``body`` (tables, verdicts) follows after a
+    blank line. Returns the text.
     """
-    gpu = torch.cuda.get_device_name(0)
-    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-    if devices > 1:
+    if cpu or not torch.cuda.is_available():  # CPU runs (smoke runs, the CPU path's benchmarks)
+        gpu, versions = f"cpu, {torch.get_num_threads()} threads", f"torch {torch.__version__}"
+    else:
+        gpu = torch.cuda.get_device_name(0)
+        versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    if devices > 1 and not cpu and torch.cuda.is_available():
         gpu = f"{devices}x {gpu}"
         nccl = torch.cuda.nccl.version()
         versions += f", NCCL {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}"
