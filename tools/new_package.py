@@ -535,10 +535,8 @@ at least COPY_FRACTION_BAR of the copy bandwidth at every shape.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
-from pathlib import Path
 
 import torch
 
@@ -569,10 +567,7 @@ def measure(shape, dtype, samples: int, compiled) -> tuple[list[str], float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_${leaf}.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
-    args = parser.parse_args(argv)
+    args = bench_arguments("bench_${leaf}", __doc__).parse_args(argv)
     if not require_cuda("bench_${leaf}"):
         return 1${require_kernels_call}
     torch.manual_seed(0)
@@ -585,8 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             case = ["x".join(map(str, shape)), str(dtype).removeprefix("torch.")]
             rows.append([*case, *cells, f"{100 * gbps / copy_gbps:.0f}%"])
             verdicts.append(verdict(f"{' '.join(case)}: share of copy bandwidth", gbps / copy_gbps, COPY_FRACTION_BAR))
-    report("bench_${leaf}", [*markdown_table(HEADER, rows), "", *verdicts], out=args.out, copy_gbps=copy_gbps)
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_${leaf}", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps)
 
 
 if __name__ == "__main__":
@@ -648,7 +642,7 @@ def package_files(names: Names) -> dict[Path, str]:
         "kernel_tests": render(TEST_KERNEL_TESTS, names) if kernels else "",
         "kernel_tests_note": ", and that CUDA runs the kernel, with 64-bit indexing" if kernels else "",
     }
-    benchmarking = ["copies_for_l2", "copy_bandwidth_gbps", "gb_per_s", "markdown_table", "nbytes", "report"]
+    benchmarking = ["bench_arguments", "copies_for_l2", "copy_bandwidth_gbps", "finish", "gb_per_s", "nbytes"]
     benchmarking += ["require_cuda", *(["require_kernels"] if kernels else []), "time_ms", "verdict"]
     bench_imports = [
         "from apex.core.benchmarking import (\n" + "".join(f"    {name},\n" for name in benchmarking) + ")",

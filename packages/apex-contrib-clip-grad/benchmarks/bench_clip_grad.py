@@ -12,7 +12,6 @@ measured in the same run. Bar (issue 21): ours at least as fast as PyTorch's for
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,11 +20,11 @@ import torch
 
 from apex.contrib.clip_grad import clip_grad_norm_
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
     nbytes,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -97,10 +96,7 @@ def measure(shapes, dtype, samples: int, compile_torch: bool) -> tuple[list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_clip_grad.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser = bench_arguments("bench_clip_grad", __doc__, no_compile=True)
     args = parser.parse_args(argv)
     if not require_cuda("bench_clip_grad"):
         return 1
@@ -119,14 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max_norm {MAX_NORM}; torch = torch.nn.utils.clip_grad_norm_(foreach=True); compiled = the same under "
         "torch.compile (default mode); GB/s counts 3 x the gradients' bytes (norm read, scale read + write)"
     ]
-    report(
-        "bench_clip_grad",
-        [*markdown_table(HEADER, rows), "", *verdicts],
-        out=args.out,
-        copy_gbps=copy_gbps,
-        notes=notes,
-    )
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_clip_grad", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps, notes=notes)
 
 
 if __name__ == "__main__":

@@ -22,18 +22,16 @@ Bars: fwd+bwd torchvision eager / ours >= 2 in float16 and float32, and ours mat
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -97,9 +95,7 @@ def differences(got, expected):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_focal_loss.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_focal_loss", __doc__)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not require_cuda("bench_focal_loss.py"):
         return 1
@@ -180,14 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "back and writes the gradient",
         "differences: |loss - float64| / |float64|, and max |grad - float64| / max |float64 grad|",
     ]
-    report(
-        "bench_focal_loss",
-        [*markdown_table(HEADER, rows), "", *verdicts],
-        out=args.out,
-        copy_gbps=copy_gbps,
-        notes=notes,
-    )
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_focal_loss", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps, notes=notes)
 
 
 if __name__ == "__main__":

@@ -19,17 +19,15 @@ at >= 70% of the device-to-device copy bandwidth measured in the same run.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -62,9 +60,7 @@ def check_agreement(ours, in1, in2, idx1, grad) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_index_mul_2d.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_index_mul_2d", __doc__)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not require_cuda("bench_index_mul_2d.py"):
         return 1
@@ -109,14 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "forward bytes model: in1 read once, in2 and idx1 read, out written",
         "eager: in1[idx1] * in2 with autograd; compiled: the same under torch.compile(fullgraph=True)",
     ]
-    report(
-        "bench_index_mul_2d",
-        [*markdown_table(HEADER, rows), "", *verdicts],
-        out=args.out,
-        copy_gbps=copy_gbps,
-        notes=notes,
-    )
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_index_mul_2d", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps, notes=notes)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,18 @@ within 3% of FusedLayerNorm (FusedLayerNorm ms / ours ms >= 0.97), per shape and
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from apex.contrib.layer_norm import FastLayerNorm, FastLayerNormFN
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -124,10 +122,7 @@ def measure(shape, samples: int, compile_torch: bool) -> list[tuple[list[str], f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_layer_norm.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    parser = bench_arguments("bench_layer_norm", __doc__, no_compile=True)
     args = parser.parse_args(argv)
     if not require_cuda("bench_layer_norm"):
         return 1
@@ -146,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16 input and parameters; torch = F.layer_norm, compiled = the same under torch.compile (default mode); "
         "GB/s counts 2 x size (fwd) or 5 x size (fwd+bwd)"
     ]
-    body = [*markdown_table(HEADER, table), "", *verdicts]
-    report("bench_layer_norm", body, out=args.out, copy_gbps=copy_gbps, notes=notes)
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_layer_norm", HEADER, table, verdicts, out=args.out, copy_gbps=copy_gbps, notes=notes)
 
 
 if __name__ == "__main__":

@@ -18,18 +18,16 @@ Bars (issue 21): every loss within 1e-5 relative of torchaudio's; ours at least 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
     nbytes,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -180,9 +178,7 @@ def bench_loss(samples: int, copy_gbps: float):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_transducer.md")
-    parser.add_argument("--samples", type=int, default=10, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_transducer", __doc__, samples=10)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not require_cuda("bench_transducer.py"):
         return 1
@@ -202,9 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytes model: joint 2 B per output element written + 2 B per gradient element read (+ f, g, grads); "
         "loss 3 x the logits' bytes (read twice, gradient written)",
     ]
-    body = [*markdown_table(HEADER, joint_rows + loss_rows), "", *verdicts]
-    report("bench_transducer", body, out=args.out, copy_gbps=copy_gbps, notes=notes)
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    rows = joint_rows + loss_rows
+    return finish("bench_transducer", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps, notes=notes)
 
 
 if __name__ == "__main__":

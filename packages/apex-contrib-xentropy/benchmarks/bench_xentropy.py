@@ -25,19 +25,17 @@ of the copy bandwidth, ours' peak memory above the inputs <= 1.1 logits tensors.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
+    finish,
     gb_per_s,
-    markdown_table,
-    report,
     require_cuda,
     require_kernels,
     time_ms,
@@ -116,9 +114,7 @@ def time_case(tokens, vocab, smoothing, samples):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="also write the report to DIR/bench_xentropy.md")
-    parser.add_argument("--samples", type=int, default=10, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_xentropy", __doc__, samples=10)
     args = parser.parse_args(argv)
     if not require_cuda("bench_xentropy.py"):
         return 1
@@ -172,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
             verdicts.append(
                 memory_verdict(f"{what}: ours' peak memory above the inputs (logits tensors)", peak["ours"])
             )
-    failed = sum(v.startswith("FAIL") for v in verdicts)
-    body = [*markdown_table(header, rows), "", *verdicts, "", f"{len(verdicts) - failed} PASS, {failed} FAIL"]
-    report(
+    return finish(
         "bench_xentropy",
-        body,
+        header,
+        rows,
+        verdicts,
         out=args.out,
         copy_gbps=copy,
         notes=[
@@ -185,7 +181,6 @@ def main(argv: list[str] | None = None) -> int:
             f"run time {time.perf_counter() - started:.0f} s (torch.compile's compilations included)",
         ],
     )
-    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":

@@ -15,15 +15,14 @@ therefore shows where it exceeds the GPU time (the small-tensor cases).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
     gb_per_s,
@@ -196,9 +195,7 @@ def bench_workload(name: str, shapes, dtype, samples: int, check: bool) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_multi_tensor.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_multi_tensor", __doc__)
     parser.add_argument("--quick", action="store_true", help="GPT set in fp32 only, fewer samples")
     parser.add_argument("--no-check", action="store_true", help="skip comparing results with torch first")
     args = parser.parse_args(argv)

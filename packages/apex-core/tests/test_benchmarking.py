@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from apex.core.benchmarking import markdown_table, report, verdict
+from apex.core.benchmarking import bench_arguments, finish, markdown_table, report, verdict
 
 
 def test_verdict_passes_at_and_above_the_bar_only():
@@ -25,3 +25,17 @@ def test_report_on_the_cpu_names_the_cpu_and_writes_the_file(tmp_path, capsys):
     assert "- a note" in header and header[-1] == "PASS: y"
     assert (tmp_path / "bench_x.md").read_text() == text
     assert capsys.readouterr().out.startswith("# bench_x")
+
+
+def test_finish_reports_the_count_and_fails_on_any_fail_line(tmp_path, capsys):
+    rows = [["1"]]
+    assert finish("bench_y", ["a"], rows, ["PASS: p", "PASS: q"], out=tmp_path, cpu=True) == 0
+    assert (tmp_path / "bench_y.md").read_text().endswith("| 1 |\n\nPASS: p\nPASS: q\n\n2 PASS, 0 FAIL\n")
+    assert finish("bench_y", ["a"], rows, ["PASS: p", "FAIL: q (measured 0.50, bar 1.00)"], cpu=True) == 1
+    assert "1 PASS, 1 FAIL" in capsys.readouterr().out
+
+
+def test_bench_arguments_parse_the_shared_options(tmp_path):
+    args = bench_arguments("bench_z", "doc", samples=7, no_compile=True).parse_args(["--out", str(tmp_path)])
+    assert (args.out, args.samples, args.no_compile) == (tmp_path, 7, False)
+    assert not hasattr(bench_arguments("bench_z", "doc").parse_args([]), "no_compile")

@@ -18,14 +18,19 @@ so no accumulation into .grad). TFLOP/s count 2*m*n*k per GEMM; the matmul rate 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from apex.core.benchmarking import markdown_table, report, require_cuda, require_kernels, time_ms, verdict
+from apex.core.benchmarking import (
+    bench_arguments,
+    finish,
+    require_cuda,
+    require_kernels,
+    time_ms,
+    verdict,
+)
 from apex.fused_dense import FusedDense, FusedDenseGeluDense, _ops
 
 GPT_SHAPES = [(8192, 1024, 4096), (8192, 4096, 16384), (16384, 8192, 32768)]
@@ -156,9 +161,7 @@ def wgrad_rows(tokens, in_features, out_features, samples, matmul):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_fused_dense.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_fused_dense", __doc__)
     parser.add_argument("--quick", action="store_true", help="the smallest GPT shape and wgrad shape only, no compile")
     args = parser.parse_args(argv)
     if not require_cuda("bench_fused_dense"):
@@ -177,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         verdicts += more_verdicts
         torch.cuda.empty_cache()
     notes = [f"bf16 matmul rate (torch.mm 8192^3, same run): {matmul:.0f} TFLOP/s"]
-    body = [*markdown_table(HEADER, rows), "", *verdicts]
-    report("bench_fused_dense", body, out=args.out, notes=notes)
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_fused_dense", HEADER, rows, verdicts, out=args.out, notes=notes)
 
 
 if __name__ == "__main__":

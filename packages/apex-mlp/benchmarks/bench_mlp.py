@@ -12,18 +12,16 @@ EAGER_BAR times as fast as eager PyTorch.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
-    markdown_table,
-    report,
+    finish,
     require_cuda,
     require_kernels,
     time_ms,
@@ -88,9 +86,7 @@ def measure(batch: int, sizes: list[int], dtype, samples: int) -> tuple[list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_mlp.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_mlp", __doc__)
     args = parser.parse_args(argv)
     if not require_cuda("bench_mlp"):
         return 1
@@ -104,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([*case, *cells, f"{100 * tflops / peak:.0f}%"])
         verdicts.append(verdict(f"{' '.join(case)}: forward+backward, eager / ours", speedup, EAGER_BAR))
     notes = [f"bf16 matmul rate ({MATMUL_SIZE}^3 torch.mm): {peak:.0f} TFLOP/s"]
-    report("bench_mlp", [*markdown_table(HEADER, rows), "", *verdicts], out=args.out, notes=notes)
-    return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+    return finish("bench_mlp", HEADER, rows, verdicts, out=args.out, notes=notes)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
     gb_per_s,
@@ -250,9 +250,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_norms.md")
-    parser.add_argument("--samples", type=int, default=20, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_norms", __doc__, samples=20)
     parser.add_argument(
         "--quick", action="store_true", help="tuning runs: device time of ours and eager PyTorch only (no compile)"
     )

@@ -17,16 +17,15 @@ small model). The small model cycles through enough copies of its data to outgro
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
     gb_per_s,
@@ -372,9 +371,7 @@ def chunk_sweep(samples: int, sizes: list[int]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the table to DIR/bench_optimizers.md")
-    parser.add_argument("--samples", type=int, default=10, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_optimizers", __doc__, samples=10)
     parser.add_argument("--chunk-size", type=int, default=CHUNK_SIZE, help="chunk_size passed to our ops")
     parser.add_argument(
         "--chunk-sweep", type=str, default="", help="comma-separated chunk sizes to also time fused_adam fp32 354M with"

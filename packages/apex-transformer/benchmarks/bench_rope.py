@@ -23,13 +23,12 @@ as compiled, ours >= 80% of the device-to-device copy bandwidth measured in the 
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copy_bandwidth_gbps,
     gb_per_s,
     markdown_table,
@@ -115,9 +114,7 @@ def backward_call(fn, x: torch.Tensor, grad: torch.Tensor):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write the report to DIR/bench_rope.md")
-    parser.add_argument("--samples", type=int, default=15, help="timed samples per measurement (median)")
+    parser = bench_arguments("bench_rope", __doc__)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     if not require_cuda("bench_rope.py"):
         return 1

@@ -27,13 +27,12 @@ the copy bandwidth.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
 from apex.core.benchmarking import (
+    bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
     gb_per_s,
@@ -119,9 +118,7 @@ def time_case(batch_heads, s, masking, samples):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=None, help="also write the report to DIR/bench_softmax.md")
-    parser.add_argument("--samples", type=int, default=15)
+    parser = bench_arguments("bench_softmax", __doc__)
     parser.add_argument("--quick", action="store_true", help="the first two shapes only")
     args, _ = parser.parse_known_args(argv)
     if not require_cuda("bench_softmax.py"):

@@ -9,6 +9,7 @@ whose header names the device, the versions, the time and the command.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import math
 import statistics
@@ -139,9 +140,44 @@ def report(
     return text
 
 
+def bench_arguments(
+    name: str, doc: str | None, *, samples: int = 15, no_compile: bool = False
+) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--out DIR`` (the report also goes to ``DIR/<name>.md``)
+    and ``--samples N`` (timed samples per measurement, the median reported); ``--no-compile``
+    (skip the torch.compile column) with ``no_compile``. Add the benchmark's own, then parse."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help=f"also write the report to DIR/{name}.md")
+    parser.add_argument("--samples", type=int, default=samples, help="timed samples per measurement (median)")
+    if no_compile:
+        parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    return parser
+
+
+def finish(
+    name: str,
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    verdicts: Sequence[str],
+    *,
+    out: Path | None = None,
+    copy_gbps: float | None = None,
+    notes: Iterable[str] = (),
+    cpu: bool = False,
+) -> int:
+    """A benchmark's last step: :func:`report` of its table, its PASS/FAIL lines and their count.
+    Returns the exit status, 0 when every line passes."""
+    failed = sum(not line.startswith("PASS") for line in verdicts)
+    body = [*markdown_table(header, rows), "", *verdicts, "", f"{len(verdicts) - failed} PASS, {failed} FAIL"]
+    report(name, body, out=out, copy_gbps=copy_gbps, notes=notes, cpu=cpu)
+    return 0 if failed == 0 else 1
+
+
 __all__ = [
+    "bench_arguments",
     "copies_for_l2",
     "copy_bandwidth_gbps",
+    "finish",
     "gb_per_s",
     "markdown_table",
     "nbytes",
