@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apex.core.descriptors import KernelLibrary
-from apex.core.library import autograd, op
+from apex.core.library import autograd, direct, op, plain_cpu
 
 LIB = KernelLibrary(name="apex_core_library_test", package="apex_core_library_test", sources=())
 calls = {"check": 0}
@@ -158,3 +158,48 @@ def test_caller_under_torch_func_grad():
     x, w = leaves()
     grad_x = torch.func.grad(lambda x: CALL(x, w.detach(), 1.0)[0].sum())(x.detach())
     torch.testing.assert_close(grad_x, 2 * x.detach() * w.detach())
+
+
+# direct and plain_cpu: the eager CPU path past the dispatcher ------------------------------------
+
+
+def test_direct_runs_the_check_and_the_reference_without_the_dispatcher():
+    run = direct(scaled_square)
+    x = torch.randn(4, 3)
+    before = calls["check"]
+    y, total = run(x, None, scale=0.5)
+    torch.testing.assert_close(total, x.sum().reshape(1))
+    assert calls["check"] == before + 1 and seen == {"scale": 0.5, "numel": 12}
+    torch.testing.assert_close(y, 0.5 * x * x)
+    with pytest.raises(ValueError, match=r"^scaled_square: w has shape \(2,\) but x has \(3,\)$"):
+        run(torch.randn(3), torch.ones(2))
+    x, w = leaves()
+    eager = autograd(run, _setup_context, _backward, "ScaledSquareEager")
+    y, _ = eager(x, w, 3.0)
+    assert y.grad_fn.name() == "ScaledSquareEagerBackward"
+    grads = torch.autograd.grad(y.sum(), (x, w))
+    reference = torch.autograd.grad((3.0 * x * x * w).sum(), (x, w))
+    for got, want in zip(grads, reference):
+        torch.testing.assert_close(got, want)
+
+
+def test_plain_cpu_holds_only_for_plain_cpu_tensors_outside_modes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(3)
+    assert plain_cpu(x, None, torch.nn.Parameter(torch.randn(3)))
+    assert not plain_cpu(x, torch.empty(3, device="meta"))
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert not plain_cpu(x.as_subclass(Sub))
+    with FlopCounterMode(display=False):
+        assert not plain_cpu(x)
+    with torch.device("cpu"):  # a torch function mode
+        assert not plain_cpu(x)
+    with FakeTensorMode():
+        assert not plain_cpu(torch.empty(3))
+    assert torch.func.grad(lambda t: (t * float(plain_cpu(t))).sum())(x).eq(0).all()  # a functorch wrapper
+    assert plain_cpu(x)

@@ -3,9 +3,11 @@
 For each norm (layer norm with weight and bias, layer norm without, RMS norm with a weight, RMS
 norm without), dtype and shape (rows x normalized shape), ours (``apex.normalization.functional``)
 and PyTorch's (``F.layer_norm`` / ``F.rms_norm``) are timed on the same data, forward alone and
-forward plus backward (``torch.autograd.grad`` of the input and parameters). Samples of the two
-alternate, so that load from other processes falls on both; the median is reported. The bar:
-ours at most 1.2x PyTorch's time, per row.
+forward plus backward (``torch.autograd.grad`` of the input and parameters). A sample is the mean
+of as many calls in a row as last about SAMPLE_MS (a single call of the smallest shape, half a
+millisecond, measured mostly the timer and the cache state); samples of the two alternate, so that
+load from other processes falls on both, and the median is reported. The bar: ours at most 1.2x
+PyTorch's time, per row.
 
     python packages/apex-normalization/benchmarks/bench_norms_cpu.py [--samples N] [--quick]
 """
@@ -58,19 +60,25 @@ NORMS = {
 }
 
 
-def timed(fn) -> float:
+SAMPLE_MS = 20.0  # a sample repeats the call until it lasts about this long (the same count for both)
+
+
+def timed(fn, calls: int) -> float:
+    """Milliseconds per call over ``calls`` calls in a row."""
     start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) * 1e3 / calls
 
 
 def compare(ours, theirs, samples: int) -> tuple[float, float]:
     for _ in range(2):  # warm-up
         ours(), theirs()
+    calls = max(1, round(SAMPLE_MS / timed(theirs, 1)))
     a, b = [], []
     for _ in range(samples):
-        a.append(timed(ours))
-        b.append(timed(theirs))
+        a.append(timed(ours, calls))
+        b.append(timed(theirs, calls))
     return statistics.median(a), statistics.median(b)
 
 

@@ -66,7 +66,8 @@ def test_opcheck_norm_backward(device, memory_efficient):
 
 def test_the_functions_record_one_node(device):
     """One autograd node per call, shared by the output and the residual sum: on CUDA the C++ one
-    (csrc/norm_autograd.cpp, once the library is loaded), elsewhere that of the Python registration."""
+    (csrc/norm_autograd.cpp, once the library is loaded); on the CPU that of the eager path past the
+    dispatcher (the same formula as the ops' Python registration, which the ops themselves record)."""
     x = torch.randn(3, 64, device=device, requires_grad=True)
     w = torch.randn(64, device=device, requires_grad=True)
     AF.fused_layer_norm_affine(x, w, None, 64)  # on CUDA the first call loads the library
@@ -77,10 +78,14 @@ def test_the_functions_record_one_node(device):
         assert "CppNode" in names[0] and "NormForward" in names[0], names
         assert "CppNode" in names[1] and "AddNormForward" in names[1], names
     else:
-        assert names == (
+        assert names == ("NormForwardBackward", "AddNormForwardBackward")
+        op_out = OPS.norm_forward(x, w, None, [64], 1e-5, False)[0]
+        op_out2, op_total = OPS.add_norm_forward(x, torch.randn_like(x), w, None, [64], 1e-5, True)[:2]
+        assert (op_out.grad_fn.name(), op_out2.grad_fn.name()) == (
             "GeneratedBackwardFor_apex_normalization_norm_forward_defaultBackward",
             "GeneratedBackwardFor_apex_normalization_add_norm_forward_defaultBackward",
         )
+        assert op_total.grad_fn is op_out2.grad_fn
     assert total.grad_fn is out2.grad_fn
 
 
@@ -475,3 +480,75 @@ def test_more_than_2_pow_31_elements(hidden):
 def test_ops_module_defines_three_ops():
     for name in ("norm_forward", "add_norm_forward", "norm_backward"):
         assert getattr(_ops, name).name() == f"apex_normalization::{name}"
+
+
+# the eager CPU path (past the dispatcher) ------------------------------------------------------
+
+EAGER_CASES = {
+    "layer-affine-bf16": dict(rms=False, weight=True, bias=True, dtype=torch.bfloat16),
+    "layer-plain-fp32-2d": dict(rms=False, weight=False, bias=False, dtype=torch.float32, ndim=2),
+    "rms-weight-fp16-mixed": dict(rms=True, weight=True, bias=False, dtype=torch.float16, mixed=True),
+    "layer-affine-fp32-memory-efficient": dict(rms=False, weight=True, bias=True, dtype=torch.float32, me=True),
+}
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("case", list(EAGER_CASES))
+def test_the_eager_cpu_path_equals_the_ops(case, residual):
+    """functional.py's CPU calls skip the dispatcher (apex.core.library.direct); outputs and every
+    gradient are those of the ops, to the bit."""
+    c = EAGER_CASES[case]
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 32).to(c["dtype"])
+    shape = list(x.shape[3 - c.get("ndim", 1) :])
+    wdt = torch.float32 if c.get("mixed") else c["dtype"]
+    w = torch.rand(shape).add(0.5).to(wdt) if c["weight"] else None
+    b = torch.randn(shape).to(wdt) if c["bias"] else None
+    r = torch.randn_like(x) if residual else None
+    me, out_dtype = c.get("me", False), (wdt if c.get("mixed") else None)
+
+    def run(eager):
+        leaves = [leaf(t) if t is not None else None for t in (x, r, w, b)]
+        xi, ri, wi, bi = leaves
+        if residual:
+            forward = _ops.eager_add_norm_forward if eager else OPS.add_norm_forward
+            out, total = forward(xi, ri, wi, bi, shape, 1e-5, c["rms"], me, out_dtype)[:2]
+            loss = (out.float() * 1.5).sum() + (total.float() * 0.5).sum()
+        else:
+            forward = _ops.eager_norm_forward if eager else OPS.norm_forward
+            out = forward(xi, wi, bi, shape, 1e-5, c["rms"], me, out_dtype)[0]
+            loss = (out.float() * 1.5).sum()
+        live = [t for t in leaves if t is not None]
+        return [out, *torch.autograd.grad(loss, live)]
+
+    for got, want in zip(run(True), run(False), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_functions_take_the_ops_under_a_mode_or_with_a_subclass():
+    """Under a dispatch mode (here a recorder), a torch function mode or with tensor subclasses the
+    functions call the ops, so that the mode sees apex_normalization's op and not its ATen parts."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, w = torch.randn(4, 64), torch.randn(64)
+    with Record() as record:
+        AF.fused_layer_norm_affine(x, w, None, 64)
+    assert "apex_normalization.norm_forward.default" in record.ops
+    with Record() as record:
+        AF.fused_rms_norm(x, 64)
+    assert any(name.startswith("apex_normalization.") for name in record.ops)
+    out = AF.fused_layer_norm_affine(leaf(x), w, None, 64)
+    assert out.grad_fn.name() == "NormForwardBackward"
+    with torch.device("cpu"):
+        out = AF.fused_layer_norm_affine(leaf(x), w, None, 64)
+    assert out.grad_fn.name().startswith("GeneratedBackwardFor_apex_normalization_norm_forward")

@@ -137,11 +137,49 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
                 check(a)
             return None if fake is None else fake(a)
 
+        def run_direct(*args, **kwargs):
+            a = bind(args, kwargs)
+            if check is not None:
+                check(a)
+            return reference(a)
+
         library.impl(name, run_reference, "CompositeExplicitAutograd")
         torch.library.register_fake(qualname, run_fake, lib=library)
+        _direct[overload] = run_direct
         return overload
 
     return decorate
+
+
+_direct: dict = {}
+
+
+def direct(overload) -> Callable:
+    """An op's check and reference as a plain function of the op's arguments, past the dispatcher.
+
+    For an eager CPU fast path where the dispatcher's share of a call matters (the op, its Python
+    autograd layer and the re-dispatch cost 30-80 us of host time a call against a kernel of tens
+    of microseconds): call it only where :func:`plain_cpu` holds, where the dispatcher would reach
+    the same reference anyway, and wrap it with :func:`autograd` for gradients.
+    """
+    return _direct[overload]
+
+
+def plain_cpu(*tensors) -> bool:
+    """Whether an eager call on these tensors (None skipped) may skip the dispatcher: plain CPU
+    tensors or parameters (no subclass, no functorch wrapper), no torch function or dispatch mode
+    active (FakeTensorMode, FlopCounterMode, ...), not under torch.compile."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) not in _PLAIN or not t.is_cpu or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    return True
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def autograd(forward: Callable, setup_context: Callable, backward: Callable, name: str) -> Callable:

@@ -25,7 +25,7 @@ import math
 import torch
 
 from apex.core import checks
-from apex.core.library import op
+from apex.core.library import autograd, direct, op
 from apex.normalization import _reference
 from apex.normalization._plugin import KERNELS
 
@@ -354,3 +354,12 @@ def _backward(ctx, grad_output, *grads):
 
 torch.library.register_autograd(norm_forward, _backward, setup_context=_setup_context)
 torch.library.register_autograd(add_norm_forward, _backward, setup_context=_setup_context)
+
+
+# The eager CPU path: the same check, reference and autograd formula as the ops', past the
+# dispatcher. Through the op, a small CPU call paid 50-100 us of host time (the op, its Python
+# autograd layer, the re-dispatch) against PyTorch's 5-20 us for F.layer_norm / F.rms_norm
+# (benchmarks/NOTES.md). functional.py takes it for plain CPU tensors outside torch.compile and
+# any torch function or dispatch mode (apex.core.library.plain_cpu); everything else gets the ops.
+eager_norm_forward = autograd(direct(norm_forward), _setup_context, _backward, "NormForward")
+eager_add_norm_forward = autograd(direct(add_norm_forward), _setup_context, _backward, "AddNormForward")

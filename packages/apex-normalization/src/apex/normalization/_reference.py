@@ -249,10 +249,10 @@ _CHUNK_ELEMENTS = 1 << 20  # float32 elements converted at a time: 4 MiB, about 
 def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
     """``native_layer_norm_backward``. For weight gradients of float16/bfloat16 rows, PyTorch's
     reduced-precision CPU kernel sums the weight gradient inexactly (off by 57 at a magnitude of
-    about 300 for 16384 bf16 rows of 1024): its input gradient is kept, and the weight and bias
-    gradients are summed here in float32, a chunk of rows at a time. With a float32 grad_output,
-    the rows are converted to float32 a chunk at a time first, and converting the whole
-    tensors first would cost two more passes over memory."""
+    about 300 for 16384 bf16 rows of 1024, with float32 or bfloat16 weights): its input gradient
+    is kept, and the weight and bias gradients come from its float32 kernel on the rows converted
+    to float32 a chunk at a time. With a float32 grad_output, that kernel gives every gradient
+    (converting the whole tensors first would cost two more passes over memory)."""
     direct = x.dtype in (torch.float32, torch.float64) or (dy.dtype == x.dtype and not (mask[1] or mask[2]))
     if direct:
         return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
@@ -263,37 +263,14 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
     grad_weight = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[1] else None
     grad_bias = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[2] else None
     step = max(1, _CHUNK_ELEMENTS // hidden)
-    if dy.dtype == x.dtype:
-        # The input gradient from PyTorch's 16-bit kernel (its row sums are exact enough); the
-        # column sums of the weight gradients here, a cache-sized chunk of rows at a time.
-        grad_input = torch.ops.aten.native_layer_norm_backward(
-            dy, x, shape, mean, rstd, weight, bias, [True, False, False]
-        )[0]
-        flat_weight = None if grad_weight is None else grad_weight.view(-1)
-        flat_bias = None if grad_bias is None else grad_bias.view(-1)
-        # Two float32 buffers of one chunk, reused: a fresh 4 MiB tensor per chunk costs more in
-        # page faults (1.3 ms per chunk at 1024 x 1024) than converting into it does.
-        d_buffer = torch.empty(min(step, x2.shape[0]), hidden, dtype=torch.float32, device=x.device)
-        x_buffer = torch.empty_like(d_buffer) if flat_weight is not None else None
-        for start in range(0, x2.shape[0], step):
-            rows = slice(start, start + step)
-            d = d_buffer[: min(step, x2.shape[0] - start)]
-            d.copy_(dy2[rows])
-            if flat_bias is not None:
-                flat_bias += d.sum(0)
-            if flat_weight is not None:
-                xhat = x_buffer[: d.shape[0]]
-                xhat.copy_(x2[rows]).sub_(mean2[rows]).mul_(rstd2[rows])
-                flat_weight += d.mul_(xhat).sum(0)
-        return grad_input, grad_weight, grad_bias
-    grad_input = torch.empty_like(x2)
     stat_shape = [1] * ndim
     d_buffer = torch.empty(min(step, x2.shape[0]), hidden, dtype=torch.float32, device=x.device)
     x_buffer = torch.empty_like(d_buffer)
-    for start in range(0, x2.shape[0], step):
-        rows = slice(start, start + step)
-        count = min(step, x2.shape[0] - start)
-        gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+
+    def chunk(rows, count, chunk_mask):
+        """PyTorch's float32 kernel on a chunk of rows converted into the two reused buffers (a
+        fresh 4 MiB tensor per chunk costs more in page faults than converting into it does)."""
+        return torch.ops.aten.native_layer_norm_backward(
             d_buffer[:count].copy_(dy2[rows]).view(-1, *shape),
             x_buffer[:count].copy_(x2[rows]).view(-1, *shape),
             shape,
@@ -301,14 +278,34 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
             rstd2[rows].reshape(-1, *stat_shape),
             weight,
             bias,
-            mask,
+            chunk_mask,
         )
-        grad_input[rows] = gi.view(-1, hidden)
+
+    if dy.dtype == x.dtype:
+        # The input gradient from PyTorch's 16-bit kernel (its row sums are exact enough); the
+        # weight gradients from its float32 kernel told to skip the input gradient, a chunk at a
+        # time: two conversions and one fused pass per chunk (summing them here in float32
+        # passes took 1.3-2.6x PyTorch's whole backward).
+        grad_input = torch.ops.aten.native_layer_norm_backward(
+            dy, x, shape, mean, rstd, weight, bias, [True, False, False]
+        )[0]
+        grad_mask = [False, mask[1], mask[2]]
+        grad_input_rows = None
+    else:
+        grad_mask = mask
+        grad_input_rows = torch.empty_like(x2)
+    for start in range(0, x2.shape[0], step):
+        rows = slice(start, start + step)
+        gi, gw, gb = chunk(rows, min(step, x2.shape[0] - start), grad_mask)
+        if grad_input_rows is not None:
+            grad_input_rows[rows] = gi.view(-1, hidden)
         if gw is not None:
             grad_weight += gw
         if gb is not None:
             grad_bias += gb
-    return grad_input.view(x.shape), grad_weight, grad_bias
+    if grad_input_rows is not None:
+        grad_input = grad_input_rows.view(x.shape)
+    return grad_input, grad_weight, grad_bias
 
 
 def _tiny(x, ndim) -> bool:

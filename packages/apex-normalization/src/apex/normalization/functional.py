@@ -25,6 +25,7 @@ import numbers
 
 import torch
 
+from apex.core.library import plain_cpu
 from apex.normalization import _ops, _reference
 
 
@@ -66,9 +67,12 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
             input, weight, bias, len(shape), eps, rms, output_dtype or input.dtype, residual
         )
         return out if residual is None else (out, residual_out)
+    eager = input.is_cpu and plain_cpu(input, residual, weight, bias)  # the ops' reference, past the dispatcher
     if residual is None:
-        return _ops.norm_forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
-    outputs = _ops.add_norm_forward(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
+        forward = _ops.eager_norm_forward if eager else _ops.norm_forward
+        return forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
+    forward = _ops.eager_add_norm_forward if eager else _ops.add_norm_forward
+    outputs = forward(input, residual, weight, bias, shape, eps, rms, memory_efficient, output_dtype)
     return outputs[0], outputs[1]
 
 
