@@ -9,13 +9,11 @@ millisecond, measured mostly the timer and the cache state); samples of the two 
 load from other processes falls on both, and the median is reported. The bar: ours at most 1.2x
 PyTorch's time, per row.
 
-    python packages/apex-normalization/benchmarks/bench_norms_cpu.py [--samples N] [--quick]
+    python packages/apex-normalization/benchmarks/bench_norms_cpu.py [--samples N] [--quick] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import statistics
 import sys
 import time
@@ -23,7 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from apex.core.benchmarking import markdown_table
+from apex.core.benchmarking import bench_arguments, finish
 from apex.normalization import functional as AF
 
 SHAPES = [(65536, (512,)), (8192, (4096,)), (16384, (1024,)), (2048, (16, 64))]
@@ -83,8 +81,7 @@ def compare(ours, theirs, samples: int) -> tuple[float, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=7)
+    parser = bench_arguments("bench_norms_cpu", __doc__, samples=7)
     parser.add_argument("--quick", action="store_true", help="two shapes")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -110,14 +107,9 @@ def main() -> int:
                     name = f"{norm} {dname} {rows}x{'x'.join(map(str, shape))} {what}"
                     rows_out.append([name, f"{ours_ms:.2f}", f"{torch_ms:.2f}", f"{ratio:.2f}"])
                     verdicts.append(f"{'PASS' if ratio <= BAR else 'FAIL'}: {name} (ours/torch {ratio:.2f}, bar {BAR})")
-    now = datetime.datetime.now(datetime.timezone.utc)
-    print("# bench_norms_cpu\n")
-    print(f"- torch {torch.__version__}, {torch.get_num_threads()} threads; {now:%Y-%m-%d %H:%M} UTC")
-    print(f"- command: `python {' '.join(sys.argv)}`\n")
-    print("\n".join(markdown_table(["case", "ours ms", "torch ms", "ours/torch"], rows_out)))
-    print()
-    print("\n".join(verdicts))
-    return 0 if all(v.startswith("PASS") for v in verdicts) else 1
+    notes = [f"a sample: the mean of as many calls in a row as last about {SAMPLE_MS:.0f} ms; median of {args.samples}"]
+    header = ["case", "ours ms", "torch ms", "ours/torch"]
+    return finish("bench_norms_cpu", header, rows_out, verdicts, out=args.out, notes=notes, cpu=True)
 
 
 if __name__ == "__main__":
