@@ -67,7 +67,8 @@ def test_opcheck_norm_backward(device, memory_efficient):
 def test_the_functions_record_one_node(device):
     """One autograd node per call, shared by the output and the residual sum: on CUDA the C++ one
     (csrc/norm_autograd.cpp, once the library is loaded); on the CPU that of the eager path past the
-    dispatcher (the same formula as the ops' Python registration, which the ops themselves record)."""
+    dispatcher (the same formula as the ops' Python registration, which the ops themselves record),
+    or PyTorch's own for float32 layer norm."""
     x = torch.randn(3, 64, device=device, requires_grad=True)
     w = torch.randn(64, device=device, requires_grad=True)
     AF.fused_layer_norm_affine(x, w, None, 64)  # on CUDA the first call loads the library
@@ -78,7 +79,8 @@ def test_the_functions_record_one_node(device):
         assert "CppNode" in names[0] and "NormForward" in names[0], names
         assert "CppNode" in names[1] and "AddNormForward" in names[1], names
     else:
-        assert names == ("NormForwardBackward", "AddNormForwardBackward")
+        # float32 layer norm is PyTorch's own op on the CPU (_ops.aten_layer_norm)
+        assert names == ("NativeLayerNormBackward0", "AddNormForwardBackward")
         op_out = OPS.norm_forward(x, w, None, [64], 1e-5, False)[0]
         op_out2, op_total = OPS.add_norm_forward(x, torch.randn_like(x), w, None, [64], 1e-5, True)[:2]
         assert (op_out.grad_fn.name(), op_out2.grad_fn.name()) == (
@@ -547,8 +549,43 @@ def test_functions_take_the_ops_under_a_mode_or_with_a_subclass():
     with Record() as record:
         AF.fused_rms_norm(x, 64)
     assert any(name.startswith("apex_normalization.") for name in record.ops)
-    out = AF.fused_layer_norm_affine(leaf(x), w, None, 64)
+    out = AF.fused_rms_norm_affine(leaf(x), w, 64)
     assert out.grad_fn.name() == "NormForwardBackward"
     with torch.device("cpu"):
-        out = AF.fused_layer_norm_affine(leaf(x), w, None, 64)
+        out = AF.fused_rms_norm_affine(leaf(x), w, 64)
     assert out.grad_fn.name().startswith("GeneratedBackwardFor_apex_normalization_norm_forward")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+def test_float_layer_norm_on_the_cpu_is_pytorchs_op_with_the_ops_values(dtype, affine):
+    """Float32/float64 layer norm of plain CPU tensors runs PyTorch's native_layer_norm and its
+    autograd (no Python node): the op's reference and backward for these, so the same bits."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 2, 40, dtype=dtype)
+    w = torch.rand(2, 40, dtype=dtype).add(0.5) if affine else None
+    b = torch.randn(2, 40, dtype=dtype) if affine else None
+    dy = torch.randn_like(x)
+
+    def run(function):
+        leaves = [leaf(t) for t in (x, w, b) if t is not None]
+        out = function(*leaves)
+        return out, [out, *torch.autograd.grad(out, leaves, dy)]
+
+    def via_functional(xi, wi=None, bi=None):
+        if affine:
+            return AF.fused_layer_norm_affine(xi, wi, bi, (2, 40), 1e-5)
+        return AF.fused_layer_norm(xi, (2, 40), 1e-5)
+
+    def via_op(xi, wi=None, bi=None):
+        return OPS.norm_forward(xi, wi, bi, [2, 40], 1e-5, False)[0]
+
+    out, got = run(via_functional)
+    assert out.grad_fn.name() == "NativeLayerNormBackward0"
+    for g, want in zip(got, run(via_op)[1], strict=True):
+        torch.testing.assert_close(g, want, rtol=0, atol=0)
+    expected = r"norm_forward: weight has shape \(40,\), expected normalized_shape \(2, 40\)"
+    with pytest.raises(ValueError, match=expected):
+        AF.fused_layer_norm_affine(x, torch.ones(40, dtype=dtype), None, (2, 40))
+    tiny = AF.fused_layer_norm(leaf(torch.randn(3, 8, dtype=dtype)), 8)  # rows under 32 elements: the ops' path
+    assert tiny.grad_fn.name() == "NormForwardBackward"
