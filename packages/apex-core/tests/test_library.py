@@ -202,4 +202,7 @@ def test_plain_cpu_holds_only_for_plain_cpu_tensors_outside_modes():
     with FakeTensorMode():
         assert not plain_cpu(torch.empty(3))
     assert torch.func.grad(lambda t: (t * float(plain_cpu(t))).sum())(x).eq(0).all()  # a functorch wrapper
+    seen_when_tracing = []
+    torch.jit.trace(lambda t: seen_when_tracing.append(plain_cpu(t)) or t * 2, (x,), check_trace=False)
+    assert seen_when_tracing == [False]
     assert plain_cpu(x)

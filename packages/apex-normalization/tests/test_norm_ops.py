@@ -589,3 +589,12 @@ def test_float_layer_norm_on_the_cpu_is_pytorchs_op_with_the_ops_values(dtype, a
         AF.fused_layer_norm_affine(x, torch.ones(40, dtype=dtype), None, (2, 40))
     tiny = AF.fused_layer_norm(leaf(torch.randn(3, 8, dtype=dtype)), 8)  # rows under 32 elements: the ops' path
     assert tiny.grad_fn.name() == "NormForwardBackward"
+
+
+def test_jit_trace_records_the_op_on_the_cpu():
+    """torch.jit.trace records apex_normalization's op (not the eager path's Python autograd node,
+    which a traced module could not save)."""
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    traced = torch.jit.trace(lambda t: AF.fused_rms_norm_affine(t, w, 64), (x,), check_trace=False)
+    assert "apex_normalization::norm_forward" in str(traced.graph)
+    torch.testing.assert_close(traced(x), AF.fused_rms_norm_affine(x, w, 64), rtol=0, atol=0)

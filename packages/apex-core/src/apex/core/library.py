@@ -168,8 +168,11 @@ def direct(overload) -> Callable:
 def plain_cpu(*tensors) -> bool:
     """Whether an eager call on these tensors (None skipped) may skip the dispatcher: plain CPU
     tensors or parameters (no subclass, no functorch wrapper), no torch function or dispatch mode
-    active (FakeTensorMode, FlopCounterMode, ...), not under torch.compile."""
+    active (FakeTensorMode, FlopCounterMode, ...), not under torch.compile or torch.jit.trace
+    (which records the op; a Python autograd node it could not save)."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack():
+        return False
+    if torch._C._get_tracing_state() is not None:
         return False
     for t in tensors:
         if t is None:
