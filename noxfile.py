@@ -57,25 +57,19 @@ def _shared_site() -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(SHARED)], check=True)
         subprocess.run([str(python), "-m", "pip", "install", "-q", *SHARED_REQUIREMENTS], check=True)
         marker.write_text(wanted)
-    purelib = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return Path(purelib.stdout.strip())
+    return _purelib(python)
+
+
+def _purelib(python: str | Path) -> Path:
+    """The site-packages folder of ``python``'s environment."""
+    query = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.run([str(python), "-c", query], check=True, capture_output=True, text=True).stdout.strip())
 
 
 def link_shared(python: str | Path) -> None:
     """Put the shared venv's packages after ``python``'s own (a .pth file): pip, pytest, torch and the build
     backends come from there, while whatever the session installs (our packages) stays in its own venv."""
-    site = subprocess.run(
-        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    target = Path(site.stdout.strip())
+    target = _purelib(python)
     target.mkdir(parents=True, exist_ok=True)
     (target / "_apex_shared.pth").write_text(f"{_shared_site()}\n")
 

@@ -108,6 +108,12 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
         overload = getattr(getattr(torch.ops, lib.name), name).default
         bind = _binder(overload, name)
 
+        def run_direct(*args, **kwargs):
+            a = bind(args, kwargs)
+            if check is not None:
+                check(a)
+            return reference(a)
+
         def run_reference(*args, **kwargs):
             first = _first_tensor(args)
             if lib.sources and first is not None and first.is_cuda and qualname not in _missing_kernels:
@@ -126,22 +132,13 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
                         loader.ReferenceFallbackWarning,
                         stacklevel=2,
                     )
-            a = bind(args, kwargs)
-            if check is not None:
-                check(a)
-            return reference(a)
+            return run_direct(*args, **kwargs)
 
         def run_fake(*args, **kwargs):
             a = bind(args, kwargs)
             if check is not None:
                 check(a)
             return None if fake is None else fake(a)
-
-        def run_direct(*args, **kwargs):
-            a = bind(args, kwargs)
-            if check is not None:
-                check(a)
-            return reference(a)
 
         library.impl(name, run_reference, "CompositeExplicitAutograd")
         torch.library.register_fake(qualname, run_fake, lib=library)
