@@ -206,3 +206,64 @@ def test_plain_cpu_holds_only_for_plain_cpu_tensors_outside_modes():
     torch.jit.trace(lambda t: seen_when_tracing.append(plain_cpu(t)) or t * 2, (x,), check_trace=False)
     assert seen_when_tracing == [False]
     assert plain_cpu(x)
+
+
+# Inductor: every op is registered as a fallback kernel before Inductor lowers it, so its implicit-
+# fallback branch (which on torch <= 2.11 formats the op's IR arguments eagerly, exponential in a deep
+# graph's depth) never runs for our ops. In a fresh interpreter, so the op is new to Inductor.
+_INDUCTOR_SCRIPT = r"""
+import logging, sys
+import torch
+import torch._inductor.exc as exc
+from apex.core.descriptors import KernelLibrary
+from apex.core.library import op
+
+formatted = []
+original = exc.OperatorIssue.operator_str
+def spy(target, args, kwargs):
+    formatted.append(str(target))
+    return original(target, args, kwargs)
+exc.OperatorIssue.operator_str = staticmethod(spy)
+logging.getLogger("torch._inductor.graph").setLevel(logging.INFO)  # its LazyString is formatted
+logging.getLogger("torch._inductor.graph").addHandler(logging.StreamHandler(sys.stdout))
+
+LIB = KernelLibrary(name="apex_core_inductor_test", package="apex_core_inductor_test", sources=())
+late = sys.argv[1] == "late"
+if late:  # Inductor's lowering module is loaded before the op is defined
+    import torch._inductor.lowering
+
+@op(LIB, "mix(Tensor x, Tensor y) -> (Tensor, Tensor)", fake=lambda a: (torch.empty_like(a.x), torch.empty_like(a.x)))
+def mix(a):
+    return a.x + a.y, a.x * 0.5
+
+if late:
+    assert mix in torch._inductor.lowering.lowerings, "not registered at definition"
+
+def deep(x, y):
+    for _ in range(12):  # each step reads both of the last step's outputs
+        x, y = mix(torch.sin(x), torch.cos(y))
+    return x + y
+
+x, y = torch.randn(8), torch.randn(8)
+torch.testing.assert_close(torch.compile(deep)(x, y), deep(x, y))
+from torch._inductor import lowering
+from torch._library.utils import get_layout_constraint_tag
+assert mix in lowering.lowerings
+expected = lowering.tag_to_layout_constraint(get_layout_constraint_tag(mix, with_default=True))
+assert lowering.maybe_layout_constraints(mix) is expected, (lowering.maybe_layout_constraints(mix), expected)
+assert not [t for t in formatted if "apex_core_inductor_test" in t], formatted
+print("OK")
+"""
+
+
+@pytest.mark.parametrize("when", ["fake", "late"])
+def test_ops_are_inductor_fallbacks_before_inductor_lowers_them(when):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}  # a cached graph is never lowered
+    done = subprocess.run(
+        [sys.executable, "-c", _INDUCTOR_SCRIPT, when], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-2000:] + done.stderr[-4000:]

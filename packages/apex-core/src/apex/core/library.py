@@ -33,6 +33,7 @@ the compiled library: the dispatcher then picks, and the Python API calls the op
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -135,6 +136,8 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
             return run_direct(*args, **kwargs)
 
         def run_fake(*args, **kwargs):
+            if _inductor_pending and "torch._inductor.lowering" in sys.modules:
+                _register_inductor_fallbacks()
             a = bind(args, kwargs)
             if check is not None:
                 check(a)
@@ -143,12 +146,52 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
         library.impl(name, run_reference, "CompositeExplicitAutograd")
         torch.library.register_fake(qualname, run_fake, lib=library)
         _direct[overload] = run_direct
+        _inductor_pending.append(overload)
+        if "torch._inductor.lowering" in sys.modules:
+            _register_inductor_fallbacks()
         return overload
 
     return decorate
 
 
 _direct: dict = {}
+_inductor_pending: list = []
+
+
+def _register_inductor_fallbacks() -> None:
+    """Give Inductor each op as a fallback kernel before it lowers one, with the layout constraint
+    its implicit fallback would pick.
+
+    Inductor meets an op without a lowering by logging "Creating implicit fallback for:" with its
+    arguments, and torch up to 2.11 formats that message eagerly, whether INFO is logged or not:
+    the ``str`` of an IR argument prints the whole graph behind it, shared nodes once per path, so
+    it grows exponentially with depth. A 12-layer GPT-2 whose blocks pass on two tensors (fused
+    residual-add norms) spent over six minutes there on an H200 (torch 2.11) without finishing.
+    Registering the fallback first skips that branch and does exactly what it would have done.
+    Called from the fakes (Inductor traces with them after importing its lowering module) and at
+    op definition when that module is already imported; private Inductor API, so on a torch where
+    it moved this does nothing and Inductor's own path applies.
+    """
+    pending = list(_inductor_pending)
+    _inductor_pending.clear()
+    try:
+        from torch._inductor import lowering
+        from torch._library.utils import get_layout_constraint_tag
+    except Exception:  # no Inductor in this build: nothing to register
+        return
+    for overload in pending:
+        if overload in lowering.lowerings:
+            continue
+        try:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(overload, with_default=True))
+            lowering.make_fallback(overload, layout_constraint=constraint, warn=False)
+        except Exception as error:  # another torch's private API: its own path applies
+            warnings.warn(
+                f"apex: could not register {overload} with Inductor ahead of time ({error}); "
+                "compiling deep models that use it may be slow on torch <= 2.11",
+                stacklevel=2,
+            )
+            return
 
 
 def direct(overload) -> Callable:
