@@ -437,6 +437,7 @@ class Variant:
     peak_bytes: int | None = None
     host_syncs: str = "n/a"
     graph_breaks: int | None = None
+    warmup_s: float | None = None  # the warm-up steps' wall time: torch.compile's work in the compiled stacks
 
     @property
     def apex(self) -> bool:
@@ -625,8 +626,17 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
             torch.cuda.reset_peak_memory_stats()
         breaks = graph_break_count()
         variant = build_variant(stack, spec, state, batches, device)
-        for _ in range(args.warmup):
+        warm_start = time.perf_counter()
+        for i in range(args.warmup):
             variant.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            print(
+                f"  {stack}: warm-up step {i + 1} done at {time.perf_counter() - start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+        variant.warmup_s = time.perf_counter() - warm_start
         if stack.endswith("compiled"):
             variant.graph_breaks = graph_break_count() - breaks
         if device.type == "cuda":
@@ -694,6 +704,7 @@ def table_rows(results: list[Result], rate_tflops: float) -> list[list[str]]:
                     f"{v.losses[late - 1]:.4f}",
                     v.host_syncs,
                     "-" if v.graph_breaks is None else str(v.graph_breaks),
+                    fmt(v.warmup_s, ".1f"),
                     fmt(native_compiled / ms if native_compiled and ms else None, ".3f") + "x" * bool(native_compiled),
                 ]
             )
@@ -833,6 +844,7 @@ def main(argv=None) -> int:
         "loss @late",
         "host syncs",
         "graph breaks",
+        "warm-up s",
         "native compiled / this",
     ]
     body = markdown_table(header, table_rows(results, rate))
@@ -850,6 +862,7 @@ def main(argv=None) -> int:
         "loss @late: step " + ", ".join(f"{r.model} {late_step(r)}" for r in results) + f" (step {LATE_STEP} when run)",
         "torch.compile in its default mode on the model and its loss; clipping and the optimizer step eager",
         "peak GiB: a variant's own peak (build and warm-up, less what the variants before it hold)",
+        "warm-up s: wall time of the warm-up steps, torch.compile's tracing and code generation included",
     ]
     if args.smoke:
         notes.append("smoke run: tiny models; the timings and the bars say nothing about the full sizes")
