@@ -120,6 +120,25 @@ def bench_joint(samples: int, copy_gbps: float):
         )
         if has_bar:
             verdicts.append(verdict(f"{name} fwd+bwd: fraction of copy bandwidth", gbps / copy_gbps, COPY_BAR))
+            # The forward alone (no bar): where the fwd+bwd time goes, for tuning.
+            with torch.no_grad():
+                fwd = {
+                    impl: time_ms([lambda fn=fn, inputs=inputs: fn(*inputs)], samples)
+                    for impl, fn in (("ours", ours), ("eager", eager), ("compiled", compiled))
+                }
+            fwd_gbps = gb_per_s(elements * 2 + nbytes(inputs), fwd["ours"])
+            rows.append(
+                [
+                    f"{name} (forward only)",
+                    f"{fwd['ours']:.3f}",
+                    f"{fwd['eager']:.3f}",
+                    f"{fwd['compiled']:.3f}",
+                    f"{fwd['eager'] / fwd['ours']:.2f}",
+                    f"{fwd['compiled'] / fwd['ours']:.2f}",
+                    f"{fwd_gbps:.0f}",
+                    f"{100 * fwd_gbps / copy_gbps:.0f}%",
+                ]
+            )
     return rows, verdicts
 
 
