@@ -298,6 +298,15 @@ def test_empty_batch(device):
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
 
 
+def test_empty_batch_rms(device):
+    x = torch.randn(0, 3, 64, device=device, requires_grad=True)
+    w = torch.ones(64, device=device, requires_grad=True)
+    out = AF.fused_rms_norm_affine(x, w, 64)
+    assert out.shape == (0, 3, 64)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_constant_rows_give_bias(device):
     """Zero variance: xhat is 0, the output is the bias, the gradient finite."""
     x = torch.full((5, 40), 3.0, device=device, requires_grad=True)

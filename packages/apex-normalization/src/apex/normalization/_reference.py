@@ -334,7 +334,8 @@ def _rms_forward(x, shape, weight, eps):
     cdt = compute_dtype(x.dtype)
     xf = x if x.dtype == cdt else x.to(cdt)
     lead = x.shape[: x.dim() - len(shape)]
-    rstd = _sums_of_squares(xf.reshape(*lead, -1)).div_(math.prod(shape)).add_(eps).rsqrt_()
+    n = math.prod(shape)
+    rstd = _sums_of_squares(xf.reshape(*lead, n)).div_(n).add_(eps).rsqrt_()  # n, not -1: empty batches
     rstd = rstd.reshape(*lead, *([1] * len(shape)))
     y = xf * rstd if xf is x else xf.mul_(rstd)
     if weight is not None:
