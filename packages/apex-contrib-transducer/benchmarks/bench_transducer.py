@@ -93,6 +93,22 @@ def forward_backward(fn, inputs):
     return call
 
 
+def joint_row(name: str, ms: dict, bytes_moved: int, copy_gbps: float) -> tuple[list[str], float]:
+    """A table row from ours/eager/compiled times; and ours' fraction of the copy bandwidth."""
+    gbps = gb_per_s(bytes_moved, ms["ours"])
+    row = [
+        name,
+        f"{ms['ours']:.3f}",
+        f"{ms['eager']:.3f}",
+        f"{ms['compiled']:.3f}",
+        f"{ms['eager'] / ms['ours']:.2f}",
+        f"{ms['compiled'] / ms['ours']:.2f}",
+        f"{gbps:.0f}",
+        f"{100 * gbps / copy_gbps:.0f}%",
+    ]
+    return row, gbps / copy_gbps
+
+
 def bench_joint(samples: int, copy_gbps: float):
     rows, verdicts, compiled_of = [], [], {}
     for name, inputs, ours, eager, elements, has_bar in joint_cases():
@@ -100,45 +116,17 @@ def bench_joint(samples: int, copy_gbps: float):
             if has_bar:
                 torch.testing.assert_close(ours(*inputs), eager(*inputs))
         compiled = compiled_of.setdefault(eager, torch.compile(eager))  # one compilation per function
-        ms = {
-            impl: time_ms([forward_backward(fn, inputs)], samples)
-            for impl, fn in (("ours", ours), ("eager", eager), ("compiled", compiled))
-        }
-        bytes_moved = 2 * elements * 2 + 2 * nbytes(inputs)  # output written, its gradient read; f, g and grads
-        gbps = gb_per_s(bytes_moved, ms["ours"])
-        rows.append(
-            [
-                name,
-                f"{ms['ours']:.3f}",
-                f"{ms['eager']:.3f}",
-                f"{ms['compiled']:.3f}",
-                f"{ms['eager'] / ms['ours']:.2f}",
-                f"{ms['compiled'] / ms['ours']:.2f}",
-                f"{gbps:.0f}",
-                f"{100 * gbps / copy_gbps:.0f}%",
-            ]
-        )
+        impls = (("ours", ours), ("eager", eager), ("compiled", compiled))
+        ms = {impl: time_ms([forward_backward(fn, inputs)], samples) for impl, fn in impls}
+        # output written, its gradient read; f, g and grads
+        row, fraction = joint_row(name, ms, 2 * elements * 2 + 2 * nbytes(inputs), copy_gbps)
+        rows.append(row)
         if has_bar:
-            verdicts.append(verdict(f"{name} fwd+bwd: fraction of copy bandwidth", gbps / copy_gbps, COPY_BAR))
+            verdicts.append(verdict(f"{name} fwd+bwd: fraction of copy bandwidth", fraction, COPY_BAR))
             # The forward alone (no bar): where the fwd+bwd time goes, for tuning.
             with torch.no_grad():
-                fwd = {
-                    impl: time_ms([lambda fn=fn, inputs=inputs: fn(*inputs)], samples)
-                    for impl, fn in (("ours", ours), ("eager", eager), ("compiled", compiled))
-                }
-            fwd_gbps = gb_per_s(elements * 2 + nbytes(inputs), fwd["ours"])
-            rows.append(
-                [
-                    f"{name} (forward only)",
-                    f"{fwd['ours']:.3f}",
-                    f"{fwd['eager']:.3f}",
-                    f"{fwd['compiled']:.3f}",
-                    f"{fwd['eager'] / fwd['ours']:.2f}",
-                    f"{fwd['compiled'] / fwd['ours']:.2f}",
-                    f"{fwd_gbps:.0f}",
-                    f"{100 * fwd_gbps / copy_gbps:.0f}%",
-                ]
-            )
+                fwd = {impl: time_ms([lambda fn=fn, inputs=inputs: fn(*inputs)], samples) for impl, fn in impls}
+            rows.append(joint_row(f"{name} (forward only)", fwd, elements * 2 + nbytes(inputs), copy_gbps)[0])
     return rows, verdicts
 
 
