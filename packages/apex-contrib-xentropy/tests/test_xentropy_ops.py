@@ -132,6 +132,26 @@ def test_rows_off_16_byte_boundaries(device, dtype):
     assert_grad_close(grad, ref_grad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab, width", [(515, 520), (2101, 2109), (33, 40)])
+def test_rows_at_a_stride_are_read_and_written_in_place(device, dtype, vocab, width):
+    # The first `vocab` columns of a wider tensor: what Inductor's padded matmul hands on
+    # (mm(a, pad(b))[:, :n]). Rows 16-byte aligned (520, 40) or each at another misalignment.
+    wide = random_logits(7, width, dtype, device)
+    logits = wide[:, :vocab]
+    assert not logits.is_contiguous()
+    labels = random_labels(7, vocab, device, padding_idx=-1, padded_rows=(2,))
+    losses, lse, grad_losses, grad = run_forward_and_backward(logits, labels, 0.1, -1, False)
+    assert grad.is_contiguous()
+    ref_losses, ref_grad = expected(logits, labels, 0.1, -1, grad_losses)
+    assert_losses_close(losses, ref_losses)
+    assert_grad_close(grad, ref_grad)
+    untouched = wide[:, vocab:].clone()
+    assert OPS.softmax_cross_entropy_backward_(grad_losses, logits, lse, labels, 0.1, -1) is None
+    assert torch.equal(logits, grad)
+    assert torch.equal(wide[:, vocab:], untouched)  # the padding columns are not written
+
+
 def test_masked_vocabulary_without_smoothing(device):
     # -inf logits (a masked part of the vocabulary) have probability 0; the loss stays finite.
     logits = random_logits(4, 300, torch.float32, device)
@@ -208,11 +228,18 @@ BAD_INPUT = {  # case: (argument, replacement (device -> value), error, message)
         ValueError,
         r"logits must have at least one column \(class\), got shape \(4, 0\)",
     ),
-    "non-contiguous logits": (
+    "transposed logits": (
         "logits",
         lambda d: torch.zeros(37, 4, device=d).t(),
         ValueError,
-        "logits is not contiguous",
+        r"logits must have contiguous rows \(unit stride along its last dimension, rows not overlapping\), "
+        r"got strides \(1, 4\) for shape \(4, 37\)",
+    ),
+    "overlapping logits rows": (
+        "logits",
+        lambda d: torch.zeros(40, device=d).as_strided((4, 37), (1, 1)),
+        ValueError,
+        r"logits must have contiguous rows .* got strides \(1, 1\) for shape \(4, 37\)",
     ),
     "int32 labels": (
         "labels",

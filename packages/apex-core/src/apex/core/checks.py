@@ -33,6 +33,19 @@ def dense(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ValueError(f"{op}: {name} is not contiguous")
 
 
+def rows(op: str, name: str, t: torch.Tensor, device: torch.device) -> None:
+    """A strided 2-D tensor on ``device`` whose rows are each contiguous (unit stride along the
+    last dimension) and do not overlap, at any row stride: a contiguous tensor, or a view of the
+    first columns of a wider one, as Inductor's padded matmuls produce (``mm(a, pad(b))[:, :n]``)."""
+    placed(op, name, t, device)
+    n_rows, n_cols = t.shape
+    if (n_cols > 1 and t.stride(1) != 1) or (n_rows > 1 and t.stride(0) < n_cols):
+        raise ValueError(
+            f"{op}: {name} must have contiguous rows (unit stride along its last dimension, rows not "
+            f"overlapping), got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+        )
+
+
 def same_lengths(op: str, **lists: Sequence) -> int:
     lengths = {name: len(value) for name, value in lists.items()}
     if len(set(lengths.values())) > 1:

@@ -20,7 +20,9 @@ their logits are not read. Any other label outside ``[0, vocab)`` is an error: t
 sync, never read out of bounds and instead make that row's loss and lse NaN and its gradient
 row NaN, so the bad label shows up in the loss.
 
-Conventions: ``logits`` contiguous float32, float16 or bfloat16 with at least one column;
+Conventions: ``logits`` float32, float16 or bfloat16 with at least one column, its rows each
+contiguous at any row stride (a view of a wider tensor's first columns, as Inductor's padded
+matmuls give, is read in place; the gradient is contiguous);
 ``labels`` contiguous int64 of shape ``[tokens]``; ``smoothing`` in ``[0, 1]``. Every reduction
 is computed in float32 and each output rounded once. The checks below and the CUDA kernels'
 (``csrc/xentropy.cu``) make the same checks with the same words.
@@ -44,7 +46,7 @@ def _check_logits(op: str, logits: torch.Tensor) -> None:
         raise ValueError(f"{op}: logits must be 2-D [tokens, vocab], got shape {tuple(logits.shape)}")
     if logits.shape[1] == 0:
         raise ValueError(f"{op}: logits must have at least one column (class), got shape {tuple(logits.shape)}")
-    checks.dense(op, "logits", logits, logits.device)
+    checks.rows(op, "logits", logits, logits.device)
 
 
 def _check_per_row(op: str, name: str, t: torch.Tensor, logits: torch.Tensor) -> None:

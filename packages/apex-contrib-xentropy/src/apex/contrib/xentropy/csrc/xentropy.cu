@@ -64,7 +64,7 @@ void check_logits(const char* op, const at::Tensor& logits) {
                     shape_string(logits.sizes()));
   TORCH_CHECK_VALUE(logits.size(1) > 0, op, ": logits must have at least one column (class), got shape ",
                     shape_string(logits.sizes()));
-  apex::checks::dense(op, "logits", logits, logits.device());
+  apex::checks::rows(op, "logits", logits, logits.device());
 }
 
 void check_per_row(const char* op, const char* name, const at::Tensor& t, const at::Tensor& logits) {
@@ -182,8 +182,8 @@ template <typename T, int kGroup>
 __global__ void __launch_bounds__(kBlock) forward_kernel(const T* __restrict__ logits,
                                                          const int64_t* __restrict__ labels, void* __restrict__ losses,
                                                          bool losses_float, float* __restrict__ lse, int64_t rows,
-                                                         int64_t vocab, float smoothing, bool has_padding,
-                                                         int64_t padding_idx, bool vectorize) {
+                                                         int64_t vocab, int64_t row_stride, float smoothing,
+                                                         bool has_padding, int64_t padding_idx) {
   constexpr int W = apex::vector_width<T>();
   __shared__ float shared[apex::kWarpSize];
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / kGroup) + threadIdx.x / kGroup;
@@ -194,10 +194,10 @@ __global__ void __launch_bounds__(kBlock) forward_kernel(const T* __restrict__ l
   float loss = 0.0f;
   float row_lse = 0.0f;
   if (kind == RowKind::kLabel) {
-    const T* x = logits + row * vocab;
+    const T* x = logits + row * row_stride;
     OnlineLse acc;
     visit_row<T, kGroup>(
-        x, vocab, lane, vectorize,
+        x, vocab, lane, true,  // each row's vectors aligned by visit_row
         [&](auto count, int64_t first) {
           constexpr int C = decltype(count)::value;
           apex::AlignedVector<T, W> raw[C];
@@ -247,16 +247,19 @@ template <typename T, int kGroup>
 __global__ void __launch_bounds__(kBlock) backward_kernel(const void* __restrict__ grad_losses, bool grad_float,
                                                           const T* logits, const float* __restrict__ lse,
                                                           const int64_t* __restrict__ labels, T* grad, int64_t rows,
-                                                          int64_t vocab, float smoothing, bool has_padding,
-                                                          int64_t padding_idx, bool vectorize) {
+                                                          int64_t vocab, int64_t x_stride, int64_t dx_stride,
+                                                          float smoothing, bool has_padding, int64_t padding_idx) {
   constexpr int W = apex::vector_width<T>();
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kBlock / kGroup) + threadIdx.x / kGroup;
   const int lane = threadIdx.x % kGroup;
   if (row >= rows) return;
   const int64_t label = labels[row];
   const RowKind kind = row_kind(label, vocab, has_padding, padding_idx);
-  const T* x = logits + row * vocab;
-  T* dx = grad + row * vocab;
+  const T* x = logits + row * x_stride;
+  T* dx = grad + row * dx_stride;
+  // 16-byte vectors need the row's logits and gradient at one offset from a 16-byte boundary:
+  // always so in place; for a fresh gradient unless the logits' rows start elsewhere.
+  const bool vectorize = (reinterpret_cast<uintptr_t>(x) - reinterpret_cast<uintptr_t>(dx)) % 16 == 0;
 
   if (kind != RowKind::kLabel) {  // a constant row: 0 for padding, NaN for a bad label
     const float value = kind == RowKind::kPadding ? 0.0f : kNaN;
@@ -331,8 +334,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits, const 
     const auto launch = [&](auto kernel, unsigned int blocks) {
       kernel<<<blocks, kBlock, 0, stream>>>(logits.const_data_ptr<scalar_t>(), labels.const_data_ptr<int64_t>(),
                                             losses.mutable_data_ptr(), losses_dtype == at::kFloat,
-                                            lse.mutable_data_ptr<float>(), rows, vocab, static_cast<float>(smoothing),
-                                            padding_idx.has_value(), padding_idx.value_or(0), true);
+                                            lse.mutable_data_ptr<float>(), rows, vocab, logits.stride(0),
+                                            static_cast<float>(smoothing), padding_idx.has_value(),
+                                            padding_idx.value_or(0));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vocab <= kWarpRowMaxVocab) {
@@ -350,18 +354,13 @@ void backward_into(const char* op, const at::Tensor& grad_losses, const at::Tens
   const int64_t vocab = logits.size(1);
   if (rows == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  // 16-byte vectors need the gradient and the logits to sit at one offset from a 16-byte
-  // boundary (then every row does): always so in place, and for fresh outputs unless the logits
-  // are a view starting off a boundary.
-  const auto address = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); };
-  const bool vectorize = (address(logits) - address(grad)) % 16 == 0;
   APEX_DISPATCH_FLOAT_TYPES(logits.scalar_type(), op, "logits", scalar_t, {
     const auto launch = [&](auto kernel, unsigned int blocks) {
       kernel<<<blocks, kBlock, 0, stream>>>(grad_losses.const_data_ptr(), grad_losses.scalar_type() == at::kFloat,
                                             logits.const_data_ptr<scalar_t>(), lse.const_data_ptr<float>(),
                                             labels.const_data_ptr<int64_t>(), grad.mutable_data_ptr<scalar_t>(), rows,
-                                            vocab, static_cast<float>(smoothing), padding_idx.has_value(),
-                                            padding_idx.value_or(0), vectorize);
+                                            vocab, logits.stride(0), grad.stride(0), static_cast<float>(smoothing),
+                                            padding_idx.has_value(), padding_idx.value_or(0));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     if (vocab <= kWarpRowMaxVocab) {

@@ -192,6 +192,17 @@ inline void dense(const char* op, const char* name, const at::Tensor& t, c10::De
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " is not contiguous");
 }
 
+// A strided 2-D tensor on `device` whose rows are each contiguous and do not overlap, at any row
+// stride (rows of checks.py): a contiguous tensor, or the first columns of a wider one.
+inline void rows(const char* op, const char* name, const at::Tensor& t, c10::Device device) {
+  placed(op, name, t, device);
+  const bool ok = (t.size(1) <= 1 || t.stride(1) == 1) && (t.size(0) <= 1 || t.stride(0) >= t.size(1));
+  TORCH_CHECK_VALUE(ok, op, ": ", name,
+                    " must have contiguous rows (unit stride along its last dimension, rows not overlapping), got "
+                    "strides ",
+                    shape_string(t.strides()), " for shape ", shape_string(t.sizes()));
+}
+
 }  // namespace apex::checks
 
 namespace apex {
