@@ -38,6 +38,7 @@ printed; the stacks should agree to within bf16 noise.
     python benchmarks/bench_e2e.py                         # every model and stack, on the GPU
     python benchmarks/bench_e2e.py --models gpt2 --stacks native-compiled,apex-eager,apex-compiled
     python benchmarks/bench_e2e.py --out DIR --plot DIR/bench_e2e.png
+    python benchmarks/bench_e2e.py --plot out.png --plot-from A/bench_e2e.md B/bench_e2e.md  # draw saved runs
     python benchmarks/bench_e2e.py --smoke --stacks native-eager,apex-eager   # tiny models, CPU is fine
 """
 
@@ -552,7 +553,61 @@ def profile_step(variant: Variant, rows: int) -> list[str]:
     variant.release_grads()
     del variant.losses[-1]  # not a step of the comparison: the late-step loss stays an unprofiled step's
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    return ["```", prof.key_averages().table(sort_by=sort_by, row_limit=rows), "```"]
+    table = ["```", prof.key_averages().table(sort_by=sort_by, row_limit=rows), "```"]
+    return ([*kernel_categories(prof), ""] if cuda else []) + table
+
+
+# Device work by kind, from the kernel's name (first match wins): where a step's time goes.
+KERNEL_KINDS = (
+    ("apex kernels", ("apex_",)),
+    ("attention", ("flash", "sdpa", "fmha", "attention")),
+    ("convolution", ("fprop", "dgrad", "wgrad", "conv", "cudnn")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "xmma")),
+    ("Inductor (Triton)", ("triton",)),
+    ("copies and fills", ("memcpy", "memset", "copy", "fill")),
+    ("optimizer and norms (ATen)", ("multi_tensor", "foreach", "adam", "sgd", "norm")),
+    ("other ATen elementwise and reductions", ("at::native",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def kernel_categories(prof) -> list[str]:
+    """Device time of one profiled step by kind of kernel, and the share of the step's wall time
+    the device was idle (host-bound gaps): the table behind a missed bar's note."""
+    total: dict[str, float] = {}
+    first, last = None, None
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+        kind = kernel_kind(evt.name)
+        total[kind] = total.get(kind, 0.0) + us
+        start = evt.time_range.start
+        end = evt.time_range.end
+        first = start if first is None else min(first, start)
+        last = end if last is None else max(last, end)
+    busy = sum(total.values())
+    span = (last - first) if first is not None else 0.0
+    rows = [
+        [kind, f"{us / 1e3:.3f}", f"{100 * us / busy:.1f}%"]
+        for kind, us in sorted(total.items(), key=lambda kv: -kv[1])
+    ]
+    rows.append(["all kernels (device busy)", f"{busy / 1e3:.3f}", "100%"])
+    rows.append(
+        [
+            "first kernel start to last kernel end",
+            f"{span / 1e3:.3f}",
+            f"idle {100 * (1 - busy / span):.1f}%" if span else "-",
+        ]
+    )
+    return markdown_table(["kernels by kind", "ms", "share"], rows)
 
 
 def graph_break_count() -> int:
@@ -758,6 +813,29 @@ def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
 
 
 def plot(results: list[Result], path: Path) -> None:
+    title = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    draw({r.model: {s: r.ms(s) for s in STACKS if r.ms(s)} for r in results}, title, path)
+
+
+def read_reports(paths: list[Path]) -> tuple[dict[str, dict[str, float]], str]:
+    """ms/step per model and stack from reports this benchmark wrote (--out), and their device."""
+    ms: dict[str, dict[str, float]] = {}
+    device = ""
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.startswith("- device:") and not device:
+                device = line.split(":", 1)[1].split(";")[0].strip()
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) > 3 and cells[1] in STACKS:
+                try:
+                    ms.setdefault(cells[0], {})[cells[1]] = float(cells[2])
+                except ValueError:
+                    continue
+    return ms, device
+
+
+def draw(ms: dict[str, dict[str, float]], title: str, path: Path) -> None:
+    """Bars of ms/step, one group per model, one bar per stack."""
     try:
         import matplotlib
 
@@ -766,18 +844,19 @@ def plot(results: list[Result], path: Path) -> None:
     except ImportError:
         print(f"{NAME}: --plot {path}: matplotlib is not installed (pip install matplotlib); no plot written")
         return
-    stacks = [s for s in STACKS if any(r.get(s) for r in results)]
-    fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(results), 4))
-    width = 0.8 / len(stacks)
-    for i, stack in enumerate(stacks):
-        xs = [j + (i - (len(stacks) - 1) / 2) * width for j in range(len(results))]
-        ys = [r.ms(stack) or 0.0 for r in results]
-        bars = ax.bar(xs, ys, width, label=stack)
+    models = list(ms)
+    stacks = [s for s in STACKS if any(s in ms[m] for m in models)]
+    # One panel per model: their step times differ by an order of magnitude.
+    fig, axes = plt.subplots(1, len(models), figsize=(1.2 + 2.6 * len(models), 4), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, model in zip(axes[0], models):
+        ys = [ms[model].get(stack, 0.0) for stack in stacks]
+        bars = ax.bar(range(len(stacks)), ys, color=colors[: len(stacks)])
         ax.bar_label(bars, labels=[f"{y:.1f}" if y else "" for y in ys], fontsize=7)
-    ax.set_xticks(range(len(results)), [r.model for r in results])
-    ax.set_ylabel("ms / step (lower is better)")
-    ax.set_title(f"one training step, {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu'}")
-    ax.legend(fontsize=8)
+        ax.set_xticks(range(len(stacks)), stacks, rotation=30, ha="right", fontsize=8)
+        ax.set_title(model)
+    axes[0][0].set_ylabel("ms / step (lower is better)")
+    fig.suptitle(f"one training step, {title}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=150)
@@ -801,6 +880,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, help=f"also write the report to DIR/{NAME}.md")
     p.add_argument("--plot", type=Path, help="a bar chart of ms/step per model and stack (needs matplotlib)")
+    p.add_argument(
+        "--plot-from",
+        type=Path,
+        nargs="+",
+        metavar="REPORT",
+        help="only draw --plot from reports written before (--out), e.g. one per model; runs nothing",
+    )
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
@@ -820,6 +906,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot_from:
+        if args.plot is None:
+            print(f"{NAME}: --plot-from needs --plot PATH", file=sys.stderr)
+            return 1
+        ms, device = read_reports(args.plot_from)
+        if not ms:
+            print(f"{NAME}: no bench_e2e table in {', '.join(map(str, args.plot_from))}", file=sys.stderr)
+            return 1
+        draw(ms, device or "unknown device", args.plot)
+        return 0
     if args.device == "cpu" or (args.device == "auto" and args.smoke and not torch.cuda.is_available()):
         if not args.smoke:
             print(f"{NAME}: the CPU runs only --smoke", file=sys.stderr)
