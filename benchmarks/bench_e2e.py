@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from apex import amp
@@ -73,6 +74,7 @@ CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny_corpu
 STACKS = ("native-eager", "native-compiled", "apex-eager", "apex-compiled")
 MAX_GRAD_NORM = 1.0
 NORM_EPS = 1e-5
+PHASE = "e2e step: "  # the profiler ranges of a step's phases
 LATE_STEP = 50  # the step whose loss is compared across stacks (or the last step, if fewer run)
 # The issue's bars: apex's faster stack against native compiled, per model.
 SPEEDUP_BAR = {"gpt2": 1.2, "llama1b": 1.2, "resnet50": 1.05}
@@ -446,18 +448,25 @@ class Variant:
 
     def step(self) -> None:
         inputs, targets = self.batches[len(self.losses) % len(self.batches)]
-        self.optimizer.zero_grad(set_to_none=True)
+        # The phases are named for the profile (PHASE ranges; about a microsecond each otherwise).
+        with record_function(PHASE + "zero_grad"):
+            self.optimizer.zero_grad(set_to_none=True)
         if self.apex:
-            loss = self.run(inputs, targets)
-            with amp.scale_loss(loss, self.optimizer) as scaled:
-                scaled.backward()
-            apex_clip_grad_norm_(self.clip_params, MAX_GRAD_NORM)
-        else:
-            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            with record_function(PHASE + "forward"):
                 loss = self.run(inputs, targets)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.clip_params, MAX_GRAD_NORM, foreach=True)
-        self.optimizer.step()
+            with record_function(PHASE + "backward"), amp.scale_loss(loss, self.optimizer) as scaled:
+                scaled.backward()
+            with record_function(PHASE + "clip"):
+                apex_clip_grad_norm_(self.clip_params, MAX_GRAD_NORM)
+        else:
+            with record_function(PHASE + "forward"), torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = self.run(inputs, targets)
+            with record_function(PHASE + "backward"):
+                loss.backward()
+            with record_function(PHASE + "clip"):
+                torch.nn.utils.clip_grad_norm_(self.clip_params, MAX_GRAD_NORM, foreach=True)
+        with record_function(PHASE + "optimizer"):
+            self.optimizer.step()
         self.losses.append(loss.detach())
 
     def release_grads(self) -> None:
@@ -554,7 +563,19 @@ def profile_step(variant: Variant, rows: int) -> list[str]:
     del variant.losses[-1]  # not a step of the comparison: the late-step loss stays an unprofiled step's
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = ["```", prof.key_averages().table(sort_by=sort_by, row_limit=rows), "```"]
-    return ([*kernel_categories(prof), ""] if cuda else []) + table
+    return ([*kernel_categories(prof), "", *phase_times(prof), ""] if cuda else []) + table
+
+
+def phase_times(prof) -> list[str]:
+    """Host time of each phase of the step against the device time of the kernels it launched: a
+    phase whose host time is the larger leaves the device waiting (when nothing queued before it
+    covers the difference)."""
+    rows = []
+    for evt in prof.events():
+        if evt.name.startswith(PHASE):
+            device = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            rows.append([evt.name[len(PHASE) :], f"{evt.cpu_time_total / 1e3:.3f}", f"{device / 1e3:.3f}"])
+    return markdown_table(["phase", "host ms", "device ms (kernels it launched)"], rows)
 
 
 # Device work by kind, from the kernel's name (first match wins): where a step's time goes.
