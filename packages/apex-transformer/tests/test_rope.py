@@ -64,6 +64,8 @@ SHAPES = [  # s, b, h, d, d2
     (4, 2, 3, 16, 0),  # nothing rotated
     (0, 2, 3, 8, 8),  # empty
     (33, 2, 4, 256, 128),
+    (5, 2, 3, 40, 16),  # 3 pass-through vectors of 16 bytes: one pair and a single one
+    (3, 2, 3, 7, 2),  # 5 pass-through elements (scalar accesses): two pairs and a single one
 ]
 
 
@@ -145,6 +147,30 @@ def test_strided_input(device, dtype, layout):
     close(out, reference(x.cpu(), freqs.cpu().double().cos(), freqs.cpu().double().sin()), dtype)
     out_t = F.fused_apply_rotary_pos_emb_cached(x, freqs.cos(), freqs.sin(), True)
     close(out_t, out, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["sbhd", "sbhd-transposed-out", "thd"])
+def test_chunks_of_16_rows_and_a_short_last_one(layout):
+    """Inputs large enough that the CUDA plan gives chunks of 16 rows (it does so where they fill
+    the device) over 39 or 37 rows: 16, 16 and a last chunk of 7 or 5 rows, whose last step of 2
+    rows in flight is half empty; sbhd's chunks cross batch boundaries (h = 13). float32, d = 128,
+    d2 = 64: 16-byte accesses, pass-through items of two vectors. Every output element checked."""
+    device, dtype, d, d2 = "cuda", torch.float32, 128, 64
+    if layout == "thd":
+        tokens, h = 8192, 37
+        x = torch.randn(tokens, h, d, device=device)
+        cu = torch.tensor([0, 3000, 3001, 3001, 8000], dtype=torch.int32, device=device)  # 192 tokens after
+        freqs = random_freqs(5000, d2, device)
+        torch.full((x.numel(),), float("nan"), device=device)  # the output's block, poisoned
+        close(F.fused_apply_rotary_pos_emb_thd(x, cu, freqs), thd_reference(x, cu, freqs), dtype)
+        return
+    s, b, h = 8192, 3, 13
+    x = torch.randn(s, b, h, d, device=device)
+    freqs = random_freqs(s, d2, device)
+    torch.full((x.numel(),), float("nan"), device=device)
+    out = F.fused_apply_rotary_pos_emb(x, freqs, layout == "sbhd-transposed-out")
+    close(out, reference(x.cpu(), freqs.cpu().double().cos(), freqs.cpu().double().sin()), dtype)
 
 
 # gradients -------------------------------------------------------------------------------------

@@ -6,15 +6,18 @@
 // rows (b * h, h, h) of the head dim d. A row splits into items of V channels (V elements make
 // 16 bytes when the layout allows it): a rotary item is a pair of vectors, channels c..c+V-1 and
 // c+k..c+k+V-1 of a rotated segment of width 2k (the two halves that rotate_half pairs); a
-// pass-through item is one vector of the channels past the rotated ones. 2-D RoPE has two
-// rotated segments (d/2 channels each, the row's and the column's angles), the others one.
+// pass-through item (the channels past the rotated ones, P vectors) is likewise a pair of
+// vectors, j and j + P/2 (so every item keeps the same bytes in flight), and one single vector
+// when P is odd. 2-D RoPE has two rotated segments (d/2 channels each, the row's and the
+// column's angles), the others one.
 //
 // A thread owns one item of one position and a chunk of that position's rows: it computes its
 // 2V angles' cos and sin once (from freqs with a reduced-range sincos, or read from the cached
 // tables) and applies them to every row of its chunk, a few rows' loads in flight at a time.
 // Memory traffic is then the input read once and the output written once (4 bytes per 16-bit
 // element) plus the angle table; sin/cos cost 2V evaluations per chunk of rows (plan() sizes the
-// chunks to fill the device twice over: 16 rows a chunk for [4096, 8, 32, d], 11 for thd with h = 32).
+// chunks to fill the device twice over, in whole steps of the rows in flight, and at least 16
+// rows where that still fills it: 16 rows a chunk for [4096, 8, 32, d] and for thd with h = 32).
 // Offsets are 64-bit; the input may have any strides (16-byte accesses where every row start
 // and the head-dim stride allow, narrower ones otherwise).
 
@@ -28,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <apex/checks.h>
 #include <apex/dispatch.h>
@@ -38,13 +42,16 @@ namespace apex_transformer {
 namespace {
 
 constexpr int kThreads = 128;
-// Rows whose loads a thread has in flight at once: 64 bytes a thread either way (more spills
-// the 16-byte variants out of the register budget below).
+// Rows whose loads a thread has in flight at once: 64 bytes a thread either way for a pair of
+// vectors (more spills the 16-byte variants out of the register budget below).
+constexpr int rows_in_flight(size_t vector_bytes) { return vector_bytes >= 16 ? 2 : 4; }
 template <typename T, int V>
-constexpr int kRowUnroll = sizeof(T) * V >= 16 ? 2 : 4;
-// Rows of a chunk, at least: the angles' cost spread over them.
+constexpr int kRowUnroll = rows_in_flight(sizeof(T) * V);
+// Rows of a chunk, at least: the angles' cost (and for thd the search of cu_seqlens) spread over
+// them; kFullChunkRows when chunks of that many rows still fill the device.
 constexpr int kMinChunkRows = 4;
-// At most 96 registers a thread (the 16-byte variants need ~90 unspilled): five blocks (640
+constexpr int kFullChunkRows = 16;
+// At most 96 registers a thread (the 16-byte variants use 93-95, unspilled): five blocks (640
 // threads) resident per multiprocessor, 40 KiB of loads in flight.
 constexpr int kMinBlocks = 5;
 
@@ -66,7 +73,8 @@ struct Geometry {
 struct Angles {
   int width[2];  // rotated channels per segment (even; 0 for an absent segment)
   int items[2];  // rotary items per segment (width / 2V)
-  int pass_items;
+  int pass_items;  // pass-through items: pass_pairs pairs, then one single vector if P is odd
+  int pass_pairs;  // P / 2 (P = pass-through vectors): item j pairs vectors j and j + pass_pairs
   Positions positions;
   bool backward;
   bool cached;        // cos/sin tables, else freqs
@@ -137,8 +145,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
   const int64_t in_base = i0 * g.in_index_stride[0] + i1 * g.in_index_stride[1] + i2 * g.in_index_stride[2];
   const int64_t out_base = i0 * g.out_index_stride[0] + i1 * g.out_index_stride[1] + i2 * g.out_index_stride[2];
 
-  // The item's channels: top (and bottom = top + half for a rotary item).
+  // The item's channels: top, and bottom = top + half for a pair (rotary, or pass-through).
   int segment = -1, top, half = 0, table_channel = 0;
+  bool pair = true;
   if (item < a.items[0]) {
     segment = 0;
     top = item * V;
@@ -150,12 +159,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
     top = a.width[0] + table_channel;
     half = a.width[1] / 2;
   } else {
-    top = a.width[0] + a.width[1] + (item - a.items[0] - a.items[1]) * V;
+    const int pass_item = item - a.items[0] - a.items[1];
+    // pairs j, j + pass_pairs; the single vector (odd P): vector 2 * pass_pairs = pass_item + pass_pairs
+    top = a.width[0] + a.width[1] + (pass_item < a.pass_pairs ? pass_item : pass_item + a.pass_pairs) * V;
+    half = a.pass_pairs * V;
+    pair = pass_item < a.pass_pairs;
   }
 
   // out_top = x_top * c_top - x_bot * s_top; out_bot = x_bot * c_bot + x_top * s_bot.
   float c_top[V], s_top[V], c_bot[V], s_bot[V];
-  if (segment >= 0) {
+  auto angles = [&] {
     bool identity = false, undefined = false;
     int64_t position = a.positions == Positions::kImage && segment == 0 ? i1 : i2;
     if (a.positions == Positions::kPacked) {
@@ -190,60 +203,78 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
       s_top[j] = a.backward ? -sb : st;
       s_bot[j] = a.backward ? -st : sb;
     }
-  }
+  };
 
   const int64_t rows = g.rows_b * g.rows_h;
-  const int64_t first = chunk * g.rows_per_chunk;
+  const int64_t first = chunk * g.rows_per_chunk;  // < rows: chunks = ceil(rows / rows_per_chunk)
   const int64_t last = min(first + g.rows_per_chunk, rows);
-  int64_t rb = first / g.rows_h, rh = first % g.rows_h;
   const int64_t in_top = top * g.in_stride_d, in_bot = (top + half) * g.in_stride_d;
-  for (int64_t r = first; r < last; r += U) {
-    int64_t in_off[U], out_off[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      in_off[u] = in_base + rb * g.in_row_stride[0] + rh * g.in_row_stride[1];
-      out_off[u] = out_base + rb * g.out_row_stride[0] + rh * g.out_row_stride[1] + top;
-      if (++rh == g.rows_h) {
-        rh = 0;
-        ++rb;
-      }
-    }
+  // The chunk's rows, U at a time, every load of a step issued before its first use (those of
+  // the first step before the angles, whose loads and search they overlap): one loop for rotary
+  // items and one for pass-through ones, so that neither carries the other's code.
+  auto apply = [&](auto rotary_item) {
+    constexpr bool kRotary = decltype(rotary_item)::value;
+    int64_t rb = first / g.rows_h, rh = first % g.rows_h;
+    int64_t out_off[U];
     Vec x_top[U], x_bot[U];
+    auto load_step = [&](int64_t r) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (r + u < last) {
-        if constexpr (V == 1) {
-          x_top[u].val[0] = in[in_off[u] + in_top];
-          if (segment >= 0) x_bot[u].val[0] = in[in_off[u] + in_bot];
-        } else {
-          x_top[u] = apex::load_vector<T, V>(in + in_off[u] + in_top);
-          if (segment >= 0) x_bot[u] = apex::load_vector<T, V>(in + in_off[u] + in_bot);
+      for (int u = 0; u < U; ++u) {
+        const int64_t in_off = in_base + rb * g.in_row_stride[0] + rh * g.in_row_stride[1];
+        out_off[u] = out_base + rb * g.out_row_stride[0] + rh * g.out_row_stride[1] + top;
+        if (++rh == g.rows_h) {
+          rh = 0;
+          ++rb;
+        }
+        if (r + u < last) {
+          if constexpr (V == 1) {
+            x_top[u].val[0] = in[in_off + in_top];
+            if (kRotary || pair) x_bot[u].val[0] = in[in_off + in_bot];
+          } else {
+            x_top[u] = apex::load_vector<T, V>(in + in_off + in_top);
+            if (kRotary || pair) x_bot[u] = apex::load_vector<T, V>(in + in_off + in_bot);
+          }
         }
       }
-    }
+    };
+    load_step(first);
+    if constexpr (kRotary) angles();
+#pragma unroll 1
+    for (int64_t r = first;;) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (r + u >= last) continue;
-      T* dst = out + out_off[u];
-      if (segment < 0) {  // pass-through: the vector as it is
-        if constexpr (sizeof(Vec) % 16 == 0) {
-          apex::store_vector_plain(dst, x_top[u]);  // one 16-byte store (a struct copy may split)
+      for (int u = 0; u < U; ++u) {
+        if (r + u >= last) continue;
+        T* dst = out + out_off[u];
+        if constexpr (!kRotary) {  // pass-through: the vectors as they are
+          if constexpr (sizeof(Vec) % 16 == 0) {
+            apex::store_vector_plain(dst, x_top[u]);  // one 16-byte store (a struct copy may split)
+            if (pair) apex::store_vector_plain(dst + half, x_bot[u]);
+          } else {
+            *reinterpret_cast<Vec*>(dst) = x_top[u];
+            if (pair) *reinterpret_cast<Vec*>(dst + half) = x_bot[u];
+          }
         } else {
-          *reinterpret_cast<Vec*>(dst) = x_top[u];
-        }
-        continue;
-      }
-      float ft[V], fb[V], ot[V], ob[V];
-      apex::to_floats(ft, x_top[u]);
-      apex::to_floats(fb, x_bot[u]);
+          float ft[V], fb[V], ot[V], ob[V];
+          apex::to_floats(ft, x_top[u]);
+          apex::to_floats(fb, x_bot[u]);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        ot[j] = ft[j] * c_top[j] - fb[j] * s_top[j];
-        ob[j] = fb[j] * c_bot[j] + ft[j] * s_bot[j];
+          for (int j = 0; j < V; ++j) {
+            ot[j] = ft[j] * c_top[j] - fb[j] * s_top[j];
+            ob[j] = fb[j] * c_bot[j] + ft[j] * s_bot[j];
+          }
+          apex::store_floats(dst, ot);
+          apex::store_floats(dst + half, ob);
+        }
       }
-      apex::store_floats(dst, ot);
-      apex::store_floats(dst + half, ob);
+      r += U;
+      if (r >= last) break;
+      load_step(r);
     }
+  };
+  if (segment >= 0) {
+    apply(std::true_type{});
+  } else {
+    apply(std::false_type{});
   }
 }
 
@@ -258,7 +289,9 @@ struct Problem {
 
 // The widest V (elements per access, at most 16 bytes) that every row start, the head-dim
 // layout and the segment widths allow, and the row chunks: enough threads for two full waves of
-// the device, at least kMinChunkRows rows per chunk.
+// the device (2048 threads a multiprocessor), at least kMinChunkRows rows per chunk, at least
+// kFullChunkRows where chunks of that size still give one full wave, and a multiple of the rows
+// in flight (no half-empty steps but in the last chunk).
 template <typename T>
 int plan(Problem& p, const at::Tensor& input, const at::Tensor& output, int64_t index_sizes[3]) {
   Geometry& g = p.g;
@@ -282,15 +315,21 @@ int plan(Problem& p, const at::Tensor& input, const at::Tensor& output, int64_t 
   int v = static_cast<int>(16 / sizeof(T));
   while (!fits(v)) v /= 2;
   for (int s = 0; s < 2; ++s) p.a.items[s] = p.a.width[s] / (2 * v);
-  p.a.pass_items = (p.d - p.a.width[0] - p.a.width[1]) / v;
+  const int pass_vectors = (p.d - p.a.width[0] - p.a.width[1]) / v;
+  p.a.pass_pairs = pass_vectors / 2;
+  p.a.pass_items = pass_vectors - p.a.pass_pairs;
   const int64_t n_items = p.a.items[0] + p.a.items[1] + p.a.pass_items;
-  const int64_t rows = g.rows_b * g.rows_h;
-  const int64_t target = 2 * static_cast<int64_t>(apex::sm_count()) * 2048;
+  const int64_t rows = std::max<int64_t>(1, g.rows_b * g.rows_h);
+  const int64_t unroll = rows_in_flight(static_cast<size_t>(v) * sizeof(T));
+  const int64_t wave = static_cast<int64_t>(apex::sm_count()) * 2048;
   const int64_t per_chunk_threads = std::max<int64_t>(1, g.positions * n_items);
-  const int64_t max_chunks = std::max<int64_t>(1, apex::ceil_div(rows, kMinChunkRows));
-  const int64_t chunks = std::clamp<int64_t>(apex::ceil_div(target, per_chunk_threads), 1, max_chunks);
-  g.rows_per_chunk = apex::ceil_div(rows, chunks);
-  g.chunks = apex::ceil_div(rows, g.rows_per_chunk);
+  const int64_t chunks = std::clamp<int64_t>(apex::ceil_div(2 * wave, per_chunk_threads), 1, rows);
+  const bool full_chunks_fill = per_chunk_threads * apex::ceil_div(rows, kFullChunkRows) >= wave;
+  const int64_t min_rows = full_chunks_fill ? kFullChunkRows : kMinChunkRows;
+  int64_t rows_per_chunk = std::max<int64_t>(apex::ceil_div(rows, chunks), min_rows);
+  rows_per_chunk = std::min(apex::ceil_div(rows_per_chunk, unroll) * unroll, rows);
+  g.rows_per_chunk = rows_per_chunk;
+  g.chunks = apex::ceil_div(rows, rows_per_chunk);
   return v;
 }
 
