@@ -10,9 +10,10 @@
 //   aligned, else 1), loaded once and written once. Groups of up to 32 threads reduce with warp
 //   shuffles (several rows per 128-thread block when G < 128); larger groups add one exchange
 //   through shared memory. Up to 16384 elements a row for 16-bit types (512 x 4 x 8), 8192 for
-//   float32, 2048 unaligned. At most 512 threads a block leaves 128 registers a thread: the
-//   forward holds its row as 32 floats without spilling (with 1024-thread blocks, 64 registers
-//   a thread, it spilled).
+//   float32, 2048 unaligned. At most 512 threads a block leaves 128 registers a thread (the
+//   backward's bound); the forward keeps its row as loaded (16 registers for 32 bf16 elements),
+//   a padding mask as one bit an element, and one reduction (group_stats), so it is built for 3
+//   resident blocks (40 registers a thread).
 // - streaming: longer rows (or long unaligned ones): one 1024-thread block per row, a first pass
 //   computing the row's max and sum online, a second pass re-reading the row (from L2 at these
 //   sizes) to write the output.
@@ -176,6 +177,66 @@ __device__ __forceinline__ float group_reduce1(float v, int group, float* shared
   float a[1] = {v};
   group_reduce<1>(a, group, shared, op);
   return a[0];
+}
+
+// The softmax statistics of a row, combined over each group of `group` consecutive threads in
+// one exchange (the forward's single reduction). Each thread enters with its own max m (-inf
+// when it holds no element) and sum s = sum exp2(score - m) over its elements (0 when it holds
+// none), and a flag (padding: whether one of its elements is unmasked); it leaves with the
+// group's max M and sum S = sum s_t * exp2(m_t - M) (the online-softmax rule) and the OR of the
+// flags. Within a warp: a max butterfly, each thread rescales its s by exp2(m - M), a sum
+// butterfly, and one ballot for the flag. A group of more than a warp then exchanges one record
+// (m, s, flag) a warp through `shared` behind ONE barrier: lane l of each warp reads the record
+// of warp l % warps of its group and the same butterflies run over those records. `shared`
+// alternates between two buffers by `parity` (a block's consecutive calls pass 0, 1, 0, ...),
+// so a call's writes cannot meet the previous call's reads, which happened before this call's
+// writers passed the previous call's barrier. -inf maxima (threads or warps holding nothing:
+// causal rows shorter than the group's span, inactive rows) never meet -inf in a subtraction:
+// exp2 takes -inf and gives 0. Every thread of the block must call it; every thread of a group
+// gets the same bits (the same steps on the same values in the same order; the steps commute).
+struct StatsShared {
+  float2 ms[2][kMaxGroup / 32];  // (m, s) of each warp, two buffers
+  unsigned flag[2][kMaxGroup / 32];
+};
+
+// exp2(m - M) for m <= M, 0 when m is -inf (also when M is: then every s is 0).
+__device__ __forceinline__ float rescale_factor(float m, float M) {
+  return exp2f(m == -INFINITY ? -INFINITY : m - M);
+}
+
+// (m, s) over aligned groups of `width` lanes (a power of two, at most 32).
+__device__ __forceinline__ void warp_stats(float& m, float& s, int width) {
+  float M = m;
+  for (int offset = width / 2; offset > 0; offset /= 2) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, offset));
+  s *= rescale_factor(m, M);
+  for (int offset = width / 2; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+  m = M;
+}
+
+template <bool kFlag>
+__device__ __forceinline__ void group_stats(float& m, float& s, bool& flag, int group, StatsShared& shared,
+                                            int parity) {
+  const int lane = threadIdx.x & 31;
+  warp_stats(m, s, group < 32 ? group : 32);
+  if constexpr (kFlag) {
+    const unsigned votes = __ballot_sync(0xffffffffu, flag);
+    const unsigned mine = group >= 32 ? 0xffffffffu : ((1u << group) - 1u) << (lane & ~(group - 1));
+    flag = (votes & mine) != 0u;
+  }
+  if (group <= 32) return;
+  const int warp = threadIdx.x / 32;
+  const int warps = group / 32;
+  if (lane == 0) {
+    shared.ms[parity][warp] = make_float2(m, s);
+    if constexpr (kFlag) shared.flag[parity][warp] = flag ? 1u : 0u;
+  }
+  __syncthreads();
+  const int record = (warp & ~(warps - 1)) | (lane & (warps - 1));  // warps: a power of two
+  const float2 r = shared.ms[parity][record];
+  m = r.x;
+  s = r.y;
+  warp_stats(m, s, warps);
+  if constexpr (kFlag) flag = __ballot_sync(0xffffffffu, shared.flag[parity][record] != 0u) != 0u;
 }
 
 // V elements at p (aligned to V elements when V > 1) as floats.

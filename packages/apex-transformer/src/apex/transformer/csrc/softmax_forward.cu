@@ -6,11 +6,17 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "softmax_common.cuh"
 
 namespace apex_transformer::softmax {
 namespace {
+
+// Resident blocks of kMaxGroup threads a multiprocessor the in-registers kernel is built for:
+// 3, i.e. 1536 threads and at most 40 registers a thread (ptxas fits every variant without
+// spilling); also 12 blocks of 128 threads.
+constexpr int kForwardMinBlocks = 3;
 
 template <typename T>
 struct ForwardParams {
@@ -23,6 +29,54 @@ struct ForwardParams {
   int64_t batch_rows;  // np * sq, the input rows of one batch index; 0 when one mask serves the batch
   float scale;         // scale * log2(e): scores are kept in base-2 units, for exp2
   int group;           // threads per row
+  int rows_per_block;  // in registers: block / group
+  int64_t row_groups;  // in registers: ceil(rows / rows_per_block), the blocks' work items
+};
+
+// V elements of T as loaded, as 32-bit words when they fill whole words (the 16-byte vectors):
+// the compiler then keeps them as 4 registers, never as separate 16-bit halves.
+template <typename T, int V>
+struct alignas(sizeof(T) * V) RawVector {
+  static constexpr bool kWords = (sizeof(T) * V) % 4 == 0;
+  using Unit = std::conditional_t<kWords, uint32_t, T>;
+  static constexpr int kUnits = kWords ? static_cast<int>(sizeof(T) * V / 4) : V;
+  Unit u[kUnits];
+
+  __device__ __forceinline__ void to_floats(float (&dst)[V]) const {
+    if constexpr (!kWords) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) dst[j] = static_cast<float>(u[j]);
+    } else if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) dst[j] = __uint_as_float(u[j]);
+    } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) {
+        dst[2 * i] = __uint_as_float(u[i] << 16);
+        dst[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      }
+    } else {
+      static_assert(std::is_same_v<T, c10::Half>, "float, bfloat16 or float16");
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) {
+        dst[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[i] & 0xffffu)));
+        dst[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[i] >> 16)));
+      }
+    }
+  }
+};
+
+// V mask bytes (aligned to V), read as 32-bit words when V >= 4: byte j is tested in its word.
+template <int V>
+struct alignas(V) MaskWords {
+  std::conditional_t<(V >= 4), uint32_t, uint8_t> val[V >= 4 ? V / 4 : V];
+  __device__ __forceinline__ bool byte_set(int j) const {
+    if constexpr (V >= 4) {
+      return (val[j / 4] & (0xffu << (8 * (j % 4)))) != 0u;
+    } else {
+      return val[j] != 0;
+    }
+  }
 };
 
 template <Masking kMasking, typename T>
@@ -71,75 +125,131 @@ __device__ __forceinline__ void scores(float (&s)[V], const AlignedVector<T, V>&
   }
 }
 
-// One row per group of p.group threads, held in registers: kVecs vectors of V elements a thread.
+// One row per group of p.group threads, held in registers: kVecs vectors of V elements a thread,
+// kept as loaded (16 registers for 32 bf16 elements) with a padding mask as one bit an element.
+// One reduction: each thread's own max m_t and sum s_t = sum exp2(score - m_t), combined by
+// group_stats (the online-softmax rule, the padding flag in the same exchange); the scores are
+// recomputed from the loaded vectors for the sum and again for the store,
+// y = exp2(score - M) / S (two exp2 an element: the SFU has the throughput, registers are what
+// limits how many blocks stay resident).
 template <typename T, int V, Masking kMasking>
-__global__ void __launch_bounds__(kMaxGroup)
+__global__ void __launch_bounds__(kMaxGroup, kForwardMinBlocks)
     forward_in_registers(const ForwardParams<T> p) {
-  __shared__ float shared[64];
+  __shared__ StatsShared shared;
   constexpr bool kPadding = kMasking == Masking::kPadding;
+  constexpr bool kCausal = kMasking == Masking::kCausal;
+  static_assert(kVecs * V <= 32, "one mask bit an element of a thread");
+  constexpr float kMasked = kMaskedScore * kLog2e;  // a masked element's score, base 2
   const int group = p.group;
   const int lane = threadIdx.x & (group - 1);
-  const int rows_per_block = blockDim.x / group;
-  const int64_t row_groups = apex::ceil_div(p.rows, rows_per_block);
-  for (int64_t g = blockIdx.x; g < row_groups; g += gridDim.x) {
-    const int64_t row = g * rows_per_block + threadIdx.x / group;
+  const int group_shift = __ffs(group) - 1;  // group: a power of two
+  // Columns within a row fit in int here: rows of this kernel hold at most kMaxGroup * kVecs
+  // vectors. Vector k of a thread starts at column first + k * stride.
+  const int first = lane * V;
+  const int stride = group * V;
+  const unsigned offset = static_cast<unsigned>(stride);  // pointer steps: unsigned, no sign extension
+  const float scale = p.scale;
+  int parity = 0;
+  for (int64_t g = blockIdx.x; g < p.row_groups; g += gridDim.x, parity ^= 1) {
+    const int64_t row = g * p.rows_per_block + (threadIdx.x >> group_shift);
     const bool active = row < p.rows;
-    const int64_t len = active ? row_length<kMasking>(p, row) : 0;
-    const T* x = p.input + row * p.sk;
-    const uint8_t* m = active ? mask_row<kMasking>(p, row) : nullptr;
+    // Readable elements from `first` on (causal rows end at the diagonal; none for an
+    // inactive row): vector k is read when k * stride < rem.
+    const int rem = (active ? static_cast<int>(row_length<kMasking>(p, row)) : 0) - first;
+    const T* x = p.input + row * p.sk + first;
+    const uint8_t* mrow = kPadding && active ? mask_row<kMasking>(p, row) + first : nullptr;
 
-    // Every load in flight before the first use.
-    AlignedVector<T, V> raw[kVecs];
-    AlignedVector<uint8_t, V> raw_mask[kPadding ? kVecs : 1];
+    // Every load in flight before the first use. The mask as 32-bit words (bytes when V < 4),
+    // tested in place rather than unpacked.
+    // (Zeroed first: a register left unset would stay live from one row to the next.)
+    RawVector<T, V> raw[kVecs] = {};
+    MaskWords<V> raw_mask[kPadding ? kVecs : 1] = {};
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t col = static_cast<int64_t>(lane + k * group) * V;
-      if (col < len) {
-        raw[k] = *reinterpret_cast<const AlignedVector<T, V>*>(x + col);
-        if constexpr (kPadding) raw_mask[k] = *reinterpret_cast<const AlignedVector<uint8_t, V>*>(m + col);
+      if (k * stride < rem) {
+        raw[k] = *reinterpret_cast<const RawVector<T, V>*>(x + k * offset);
+        if constexpr (kPadding) raw_mask[k] = *reinterpret_cast<const MaskWords<V>*>(mrow + k * offset);
       }
     }
-    float s[kVecs][V];
-    float stats[2] = {-INFINITY, 0.0f};  // the row's max score; whether any element is unmasked
+    // Padding: bit k * V + j set when element j of vector k is masked; `unmasked` when one of
+    // this thread's elements is not.
+    uint32_t masked = 0u;
     bool unmasked = false;
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int64_t col = static_cast<int64_t>(lane + k * group) * V;
-      if (col < len) {
-        scores<kMasking, V>(s[k], raw[k], raw_mask[kPadding ? k : 0], col, len, p.scale, unmasked);
-#pragma unroll
-        for (int j = 0; j < V; ++j) stats[0] = fmaxf(stats[0], s[k][j]);
-      }
-    }
     if constexpr (kPadding) {
-      stats[1] = unmasked ? 1.0f : 0.0f;
-      group_reduce<2>(stats, group, shared, Max{});
-    } else {
-      stats[0] = group_reduce1(stats[0], group, shared, Max{});
+      uint32_t held = 0u;  // the bits of the elements this thread holds
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (k * stride < rem) {
+          held |= ((1u << V) - 1u) << (k * V);
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if (raw_mask[k].byte_set(j)) masked |= 1u << (k * V + j);
+          }
+        }
+      }
+      unmasked = (held & ~masked) != 0u;
     }
-    const float row_max = stats[0];
-    float sum = 0.0f;
+    // Whether element j of vector k takes part (causal: up to the diagonal; the others of a
+    // vector that was read do).
+    auto in_row = [&](int k, int j) { return !kCausal || k * stride + j < rem; };
+    auto is_masked = [&](int k, int j) { return kPadding && ((masked >> (k * V + j)) & 1u) != 0u; };
+
+    // This thread's max score.
+    float m = -INFINITY;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t col = static_cast<int64_t>(lane + k * group) * V;
+      if (k * stride < rem) {
+        float v[V];
+        raw[k].to_floats(v);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        s[k][j] = col < len ? exp2f(s[k][j] - row_max) : 0.0f;
-        sum += s[k][j];
+        for (int j = 0; j < V; ++j) {
+          const float score = is_masked(k, j) ? kMasked : v[j] * scale;
+          if (in_row(k, j)) m = fmaxf(m, score);
+        }
       }
     }
-    sum = group_reduce1(sum, group, shared, Sum{});
-    const float inv = kPadding && stats[1] == 0.0f ? 0.0f : 1.0f / sum;
+    // exp2(score - base) of element j of vector k (v: its value); 0 when it takes no part.
+    auto exp_shifted = [&](int k, int j, float v, float base) {
+      const float arg = is_masked(k, j) ? kMasked - base : fmaf(v, scale, -base);
+      return in_row(k, j) ? exp2f(arg) : 0.0f;
+    };
+    // This thread's sum of exp2(score - m); a -inf m (no element here) shifts by 0: every term is 0.
+    float s = 0.0f;
+    {
+      const float base = m == -INFINITY ? 0.0f : m;
+      float part[2] = {0.0f, 0.0f};  // two chains of additions
+#pragma unroll
+      for (int k = 0; k < kVecs; ++k) {
+        if (k * stride < rem) {
+          float v[V];
+          raw[k].to_floats(v);
+#pragma unroll
+          for (int j = 0; j < V; ++j) part[(k * V + j) % 2] += exp_shifted(k, j, v[j], base);
+        }
+      }
+      s = part[0] + part[1];
+    }
+    group_stats<kPadding>(m, s, unmasked, group, shared, parity);
     if (!active) continue;
-    T* y = p.output + row * p.sk;
+    // m, s: the row's max and sum. A padding row with every element masked gives 0.
+    const float row_max = m == -INFINITY ? 0.0f : m;
+    const float inv = kPadding && !unmasked ? 0.0f : 1.0f / s;
+    T* y = p.output + row * p.sk + first;
+    const int rem_out = static_cast<int>(p.sk) - first;  // columns to write from `first` on
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t col = static_cast<int64_t>(lane + k * group) * V;
-      if (col < p.sk) {
+      if (k * stride < rem_out) {
         float out[V];
+        if (k * stride < rem) {
+          float v[V];
+          raw[k].to_floats(v);
 #pragma unroll
-        for (int j = 0; j < V; ++j) out[j] = s[k][j] * inv;
-        store_elements<V>(y + col, out);
+          for (int j = 0; j < V; ++j) out[j] = exp_shifted(k, j, v[j], row_max) * inv;
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) out[j] = 0.0f;
+        }
+        store_elements<V>(y + k * offset, out);
       }
     }
   }
@@ -206,8 +316,7 @@ void launch_width(const ForwardParams<T>& p, const Plan& plan, cudaStream_t stre
   if (plan.streaming) {
     forward_streaming<T, V, kMasking><<<grid_for(p.rows), kStreamBlock, 0, stream>>>(p);
   } else {
-    const int64_t row_groups = apex::ceil_div(p.rows, plan.block / plan.group);
-    forward_in_registers<T, V, kMasking><<<grid_for(row_groups), plan.block, 0, stream>>>(p);
+    forward_in_registers<T, V, kMasking><<<grid_for(p.row_groups), plan.block, 0, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -248,6 +357,8 @@ at::Tensor scaled_softmax_forward_cuda(const at::Tensor& input, const std::optio
                          (p.mask == nullptr || apex::aligned_to(p.mask, kWidth));
     const Plan pl = plan(sk, kWidth, aligned);
     p.group = pl.group;
+    p.rows_per_block = pl.block / pl.group;
+    p.row_groups = apex::ceil_div(p.rows, p.rows_per_block);
     if (causal) {
       launch_forward<T, Masking::kCausal>(p, pl);
     } else if (m != nullptr) {
