@@ -256,6 +256,28 @@ def test_compile_fullgraph_cuda():
     _check_compiled("cuda", "inductor")
 
 
+def _scores_softmax(q, k):
+    return F.scaled_softmax(torch.bmm(q, k).view(2, 3, 17, 37), 0.5).float().sum()
+
+
+@pytest.mark.gpu
+def test_compile_after_a_padded_matmul():
+    # Inductor pads a matmul whose sizes are not multiples of 8 (pad_mm) and hands its consumer a
+    # view of the padded result, mm(a, pad(b))[:, :37]: the op must take what it is given.
+    import torch._inductor.config as inductor_config
+
+    q = torch.randn(6, 17, 40, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(6, 40, 37, device="cuda", dtype=torch.bfloat16)
+    _scores_softmax(q, k).backward()
+    expected = q.grad.clone()
+    q.grad = None
+    patch = {"force_shape_pad": True} if hasattr(inductor_config, "force_shape_pad") else {}
+    with inductor_config.patch(patch):
+        compiled = torch.compile(_scores_softmax, fullgraph=True, backend="inductor")
+        compiled(q, k).backward()
+    torch.testing.assert_close(q.grad, expected)
+
+
 # bad input: one error, naming the argument, from the reference and the kernel ------------------
 
 
