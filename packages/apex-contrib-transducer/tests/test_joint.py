@@ -16,8 +16,9 @@ from apex.core import loader
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 # (B, T, U, H): odd sizes, H not a multiple of any vector width, several t tiles of the CUDA
-# backward (T > 256), an empty batch and empty H.
-SHAPES = [(2, 5, 3, 8), (3, 7, 4, 13), (1, 300, 3, 16), (0, 4, 3, 8), (2, 3, 4, 0)]
+# backward (T > 128), an empty batch and empty H, and one 64-row tile of the CUDA backward
+# (64 < T <= 128, rows past T idle) with u's over several of its shared-memory chunks (U > 8, odd).
+SHAPES = [(2, 5, 3, 8), (3, 7, 4, 13), (1, 300, 3, 16), (0, 4, 3, 8), (2, 3, 4, 0), (2, 100, 19, 24)]
 
 
 def random(shape, dtype, device):

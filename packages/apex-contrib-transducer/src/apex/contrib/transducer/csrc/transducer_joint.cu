@@ -2,13 +2,13 @@
 // sums of the output gradient over u (for f) and over t (for g). The math, the layouts and the
 // wording of the checks are in _reference.py / _ops.py.
 //
-// Both kernels give each block one batch element, a tile of t and a chunk of H, with 256 threads:
-// 8 lanes along H (16-byte vectors) by 32 rows along t. The forward holds its f vectors in
-// registers and streams over u, loading each g vector once for its t's. The backward reads each
-// gradient element once: a thread sums its t's over every u (f's gradient, complete), and the sums
-// over its t's per u are added across the block's rows (shuffles, then shared memory) into g's
-// gradient; with more than one t tile, into float32 partial sums that a second kernel adds in
-// tile order (deterministic, no atomics).
+// Both kernels give each block one batch element, a tile of t and a chunk of H: 8 lanes along H
+// (16-byte vectors) by 32 rows along t in the forward (256 threads), 32 or 64 rows in the backward.
+// The forward holds its f vectors in registers and streams over u, loading each g vector once for
+// its t's. The backward reads each gradient element once: a thread sums its t's over every u (f's
+// gradient, complete), and the sums over its t's per u are added across the block's rows (shuffles,
+// then shared memory) into g's gradient; with more than one t tile, into float32 partial sums that
+// a second kernel adds in tile order (deterministic, no atomics).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/ops/empty.h>
@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 #include <apex/launch.cuh>
@@ -31,10 +32,12 @@ using namespace transducer;
 constexpr int kLanes = 8;  // threads along H
 constexpr int kRows = 32;  // threads along t
 constexpr int kThreads = kLanes * kRows;
-constexpr int kWarps = kThreads / 32;
-constexpr int kForwardTs = 4;   // t's per thread in the forward
-constexpr int kBackwardTs = 8;  // t's per thread in the backward
-constexpr int kUChunk = 8;      // u's per shared-memory reduction in the backward
+constexpr int kForwardTs = 4;             // t's per thread in the forward
+constexpr int kBackwardTs = 2;            // t's per thread in the backward
+constexpr int kBackwardUs = 2;            // u's per step of the backward (loads in flight: Ts x Us)
+constexpr int kBackwardMaxThreads = 512;  // the backward's block: 8 lanes by 32 or 64 rows
+constexpr int kUChunk = 8;                // u's per shared-memory buffer in the backward (Us divides it)
+static_assert(kUChunk % kBackwardUs == 0);
 
 // The dropout hash (_reference._mix32): xor-shift, multiply, xor-shift, multiply, xor-shift.
 __host__ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
@@ -148,13 +151,108 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
   }
 }
 
+// An unsigned type of N bytes (a vector of words for 8 and 16): a vector's bits in registers.
+template <int N>
+struct Bits;
+template <>
+struct Bits<1> {
+  using type = uint8_t;
+};
+template <>
+struct Bits<2> {
+  using type = uint16_t;
+};
+template <>
+struct Bits<4> {
+  using type = uint32_t;
+};
+template <>
+struct Bits<8> {
+  using type = uint2;
+};
+template <>
+struct Bits<16> {
+  using type = uint4;
+};
+
+// Sums v over the four rows of a warp (lanes differing in bits 3 and 4) and scatters the sum: each
+// exchange sends the half of the values the partner keeps, so N values take N / 2 + N / 4 shuffles
+// (an all-reduce takes 2 N) and every lane ends with N / 4 of the sums (in v[0 ..]), those of the
+// positions warp_rows_place gives. With N < 4 a level that has one value left adds it whole. The order of the additions is
+// fixed by the lane.
+template <int N, typename A>
+__device__ __forceinline__ void sum_warp_rows(A (&v)[N]) {
+  const int l = threadIdx.x % 32;
+  constexpr int c1 = N >= 2 ? N / 2 : 1;
+  if constexpr (N >= 2) {
+    const bool hi = (l & 16) != 0;
+#pragma unroll
+    for (int k = 0; k < c1; ++k) {
+      const A send = hi ? v[k] : v[k + c1];
+      const A keep = hi ? v[k + c1] : v[k];
+      v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+  } else {
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 16);
+  }
+  if constexpr (c1 >= 2) {
+    constexpr int c2 = c1 / 2;
+    const bool hi = (l & 8) != 0;
+#pragma unroll
+    for (int k = 0; k < c2; ++k) {
+      const A send = hi ? v[k] : v[k + c2];
+      const A keep = hi ? v[k + c2] : v[k];
+      v[k] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+  } else {
+    v[0] += __shfl_xor_sync(0xffffffffu, v[0], 8);
+  }
+}
+
+// Where sum_warp_rows leaves this lane's sums: positions offset .. offset + max(N / 4, 1) - 1 of
+// v; returns whether the lane stores them (with N < 4 lanes hold the same sums, and only those with
+// the bit of the whole-value level clear store).
+template <int N>
+__device__ __forceinline__ bool warp_rows_place(int& offset) {
+  const int l = threadIdx.x % 32;
+  const bool hi1 = (l & 16) != 0, hi2 = (l & 8) != 0;
+  if constexpr (N >= 4) {
+    offset = (hi1 ? N / 2 : 0) + (hi2 ? N / 4 : 0);
+    return true;
+  } else if constexpr (N == 2) {
+    offset = hi1 ? 1 : 0;
+    return !hi2;
+  } else {
+    offset = 0;
+    return !hi1 && !hi2;
+  }
+}
+
+// The backward's block: 8 lanes along H by `rows` (blockDim.x / 8: 32 or 64) rows along t; a thread
+// sums kBackwardTs t's (rows apart) over kBackwardUs u's a step, so a t tile is kBackwardTs * rows
+// t's and a thread has kBackwardTs * kBackwardUs vector loads in flight. Registers are bounded for
+// two 512-thread (four 256-thread) blocks an SM: the f accumulators (Ts x VW) are what registers
+// cost, and more u's a step (not more t's) buy loads in flight without more of them. The loads
+// run one step ahead of the sums (software pipelined), so they stay in flight across the shuffles,
+// the barrier and the block's sums of a chunk. g's per-u sums of a warp (its four rows summed by
+// sum_warp_rows) go to shared memory, kUChunk u's at a time, double buffered: after the one barrier
+// a chunk the block adds the warps' sums (in warp order) while the next chunk fills the other
+// buffer; the barrier after that chunk orders the buffer's reuse.
 template <typename T, int VW, bool kMasked>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kBackwardMaxThreads, 2)
     joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, double scale,
                           T* __restrict__ f_grad, T* __restrict__ g_grad, acc_t<T>* __restrict__ g_partial) {
   using A = acc_t<T>;
   constexpr int kChunk = kLanes * VW;  // H elements per block
-  __shared__ A stage[kUChunk][kWarps][kChunk];
+  // u's a step: the mask's vectors take registers too, so the masked kernel loads one u ahead
+  constexpr int kUs = kMasked ? 1 : kBackwardUs;
+  constexpr int kSums = kUs * VW;            // g's sums of a step, u major
+  constexpr int kKept = kSums >= 4 ? kSums / 4 : 1;  // those a lane holds after sum_warp_rows
+  static_assert(VW % kKept == 0);                     // (so they lie in one u)
+  extern __shared__ __align__(16) unsigned char backward_smem[];
+  A* const stage = reinterpret_cast<A*>(backward_smem);  // [2][kUChunk][warps][kChunk]
+  const int rows = static_cast<int>(blockDim.x) / kLanes;
+  const int warps = static_cast<int>(blockDim.x) / 32;
   const int lane = threadIdx.x % kLanes;
   const int row = threadIdx.x / kLanes;
   const int warp = threadIdx.x / 32;
@@ -163,16 +261,37 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t tile = (block / l.h_chunks) % l.t_tiles;
   const Batch bt = batch_of(l, block / (l.h_chunks * l.t_tiles));
   const int64_t h0 = (hc * kLanes + lane) * VW;
-  const bool active = h0 < l.H;  // every thread stays for the block's barriers
+  const bool active = h0 < l.H;  // every thread stays for the block's barriers and shuffles
+  const int G = static_cast<int>(bt.G);  // g_len is int32, and so are full and part
+  const A s = static_cast<A>(scale);
 
-  A f_acc[kBackwardTs][VW];
-  int64_t ts[kBackwardTs];
+  const int64_t t0 = tile * (kBackwardTs * rows) + row;
+  // The u's of t_i = t0 + i * rows that hold gradient are those below lim_i: below g_len, none past
+  // f_len and (packed) only rows below the bound l.rows. lim_i does not grow with i (t grows), and
+  // the rows bound lowers it by rows * stride_t >= G from one i to the next, so the i's are some
+  // `full` with lim_i = G, then at most one with 0 < lim_i < G (`part`), then none: (t_i, u) holds
+  // gradient exactly when u < G and i < full + (u < part). Two registers, not one a t.
+  int full = 0, part = 0;
 #pragma unroll
   for (int i = 0; i < kBackwardTs; ++i) {
-    ts[i] = tile * (kBackwardTs * kRows) + i * kRows + row;
+    const int64_t t = t0 + int64_t{i} * rows;
+    int64_t lim = 0;
+    if (active && t < bt.F) lim = clamp64(l.rows - (bt.base + t * bt.stride_t), 0, bt.G);
+    if (full == i && lim == bt.G) {
+      ++full;
+    } else if (full == i && lim > 0) {
+      part = static_cast<int>(lim);
+    }
+  }
+  auto valid_ts = [&](int64_t u) { return u < G ? full + (u < part ? 1 : 0) : 0; };  // t's i below hold u
+  A f_acc[kBackwardTs][VW];
+#pragma unroll
+  for (int i = 0; i < kBackwardTs; ++i) {
 #pragma unroll
     for (int j = 0; j < VW; ++j) f_acc[i][j] = A(0);
   }
+  const int64_t ustep = l.H;                               // elements from u to u + 1
+  const int64_t tstep = int64_t{rows} * bt.stride_t * l.H;  // elements from t_i to t_i+1
   // g's gradient for this tile: the final value with one tile, else this tile's partial sum.
   auto write_g = [&](int64_t u, int64_t h, A value) {
     if (g_partial == nullptr) {
@@ -182,60 +301,92 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   };
 
-  for (int64_t u0 = 0; u0 < bt.G; u0 += kUChunk) {
-    const int64_t n = bt.G - u0 < kUChunk ? bt.G - u0 : kUChunk;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t u = u0 + k;
-      A gsum[VW];
+  // This lane's place in a chunk's buffer (position kept_at of a step's kSums), and whether it
+  // stores there.
+  int kept_at;
+  const bool stores = warp_rows_place<kSums>(kept_at);
+  const int buffer = kUChunk * warps * kChunk;
+  const int lane_at = ((kept_at / VW) * warps + warp) * kChunk + lane * VW + kept_at % VW;
+
+  // The vectors of a step: zeros where there is no gradient (adding +0 to sums that start at +0
+  // changes nothing), so no load sits in a branch with its use, which would wait for it before
+  // the next load is issued (the kernel as first written had one load in flight a thread).
+  using W = typename Bits<sizeof(T) * VW>::type;  // a gradient vector's bits
+  using MW = typename Bits<VW>::type;             // a mask vector's bits
+  W raw[kUs][kBackwardTs];
+  MW m[kUs][kBackwardTs];
+  int64_t e = (bt.base + t0 * bt.stride_t) * l.H + h0;  // the element of (t0, u), u the next step's
+  auto load = [&](int uu, int i, int valid) {
+    const bool ok = i < valid;
+    const int64_t at = e + uu * ustep + i * tstep;
+    raw[uu][i] = W{};
+    if (ok) raw[uu][i] = *reinterpret_cast<const W*>(grad + at);
+    if constexpr (kMasked) {
+      m[uu][i] = MW{};
+      if (ok) m[uu][i] = *reinterpret_cast<const MW*>(mask + at);
+    }
+  };
 #pragma unroll
-      for (int j = 0; j < VW; ++j) gsum[j] = A(0);
-      if (active) {
+  for (int uu = 0; uu < kUs; ++uu) {
+    const int valid = valid_ts(uu);
+#pragma unroll
+    for (int i = 0; i < kBackwardTs; ++i) load(uu, i, valid);
+  }
+  e += kUs * ustep;
+
+  int parity = 0;
+  for (int64_t u0 = 0; u0 < G; u0 += kUChunk, parity ^= 1) {  // (64-bit: u0 + kUChunk may pass 2^31)
+    const int n = G - u0 < kUChunk ? static_cast<int>(G - u0) : kUChunk;
+    A* const buf = stage + parity * buffer;
+#pragma unroll 1
+    for (int k = 0; k < n; k += kUs) {
+      const int64_t next = u0 + k + kUs;  // the first u of the next step
+      A gsum[kSums];
+#pragma unroll
+      for (int j = 0; j < kSums; ++j) gsum[j] = A(0);
+#pragma unroll
+      for (int uu = 0; uu < kUs; ++uu) {
+        const int valid = valid_ts(next + uu);
 #pragma unroll
         for (int i = 0; i < kBackwardTs; ++i) {
-          if (ts[i] >= bt.F) continue;
-          const int64_t r = bt.base + ts[i] * bt.stride_t + u;
-          if (r >= l.rows) continue;
-          A d[VW];
-          load_acc<VW>(d, grad + r * l.H + h0);
-          if constexpr (kMasked) {
-            const Vec<uint8_t, VW> m = *reinterpret_cast<const Vec<uint8_t, VW>*>(mask + r * l.H + h0);
-#pragma unroll
-            for (int j = 0; j < VW; ++j) d[j] *= static_cast<A>(m.v[j]);
-          }
+          Vec<T, VW> v;
+          memcpy(&v, &raw[uu][i], sizeof(v));
+          Vec<uint8_t, VW> mv;
+          if constexpr (kMasked) memcpy(&mv, &m[uu][i], sizeof(mv));
+          load(uu, i, valid);  // the slot is free: the next step's vector
 #pragma unroll
           for (int j = 0; j < VW; ++j) {
-            d[j] *= static_cast<A>(scale);
-            f_acc[i][j] += d[j];
-            gsum[j] += d[j];
+            A d = static_cast<A>(v.v[j]);
+            if constexpr (kMasked) d *= static_cast<A>(mv.v[j]);
+            d *= s;
+            f_acc[i][j] += d;
+            gsum[uu * VW + j] += d;
           }
         }
       }
-      // The four rows of a warp differ in lane bits 3 and 4.
+      e += kUs * ustep;
+      // u's of the step past G add zeros into buffer slots the block's sums skip (k + uu < kUChunk)
+      sum_warp_rows<kSums>(gsum);
+      if (stores) {
+        A* const dst = buf + k * warps * kChunk + lane_at;
 #pragma unroll
-      for (int j = 0; j < VW; ++j) {
-        gsum[j] += __shfl_xor_sync(0xffffffffu, gsum[j], 8);
-        gsum[j] += __shfl_xor_sync(0xffffffffu, gsum[j], 16);
-      }
-      if ((threadIdx.x % 32) < kLanes) {
-#pragma unroll
-        for (int j = 0; j < VW; ++j) stage[k][warp][lane * VW + j] = gsum[j];
+        for (int j = 0; j < kKept; ++j) dst[j] = gsum[j];
       }
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < n * kChunk; idx += kThreads) {
+    for (int idx = threadIdx.x; idx < n * kChunk; idx += blockDim.x) {
       const int k = idx / kChunk;
       const int hh = idx % kChunk;
       const int64_t h = hc * kChunk + hh;
       if (h >= l.H) continue;
-      A s = A(0);
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += stage[k][w][hh];
-      write_g(u0 + k, h, s);
+      const A* src = buf + k * warps * kChunk + hh;
+      A sum = A(0);
+      for (int w = 0; w < warps; ++w) sum += src[w * kChunk];
+      write_g(u0 + k, h, sum);
     }
-    __syncthreads();
   }
   // u past g_len: zero gradient (and zero partial sums)
-  for (int64_t idx = threadIdx.x; idx < (l.U - bt.G) * kChunk; idx += kThreads) {
+  for (int64_t idx = threadIdx.x; idx < (l.U - bt.G) * kChunk; idx += blockDim.x) {
     const int64_t u = bt.G + idx / kChunk;
     const int64_t h = hc * kChunk + idx % kChunk;
     if (h < l.H) write_g(u, h, A(0));
@@ -243,7 +394,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (!active) return;
 #pragma unroll
   for (int i = 0; i < kBackwardTs; ++i) {
-    if (ts[i] < l.T) store_acc<VW>(f_grad + (bt.b * l.T + ts[i]) * l.H + h0, f_acc[i]);
+    const int64_t t = t0 + int64_t{i} * rows;
+    if (t < l.T) store_acc<VW>(f_grad + (bt.b * l.T + t) * l.H + h0, f_acc[i]);
   }
 }
 
@@ -393,8 +545,15 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
            U,
            H,
            packed ? grad.size(0) : B * T * U,
-           apex::ceil_div(T, kBackwardTs * kRows),
+           0,
            0};
+  // The plan: 64 rows a block (a tile of 128 t's, 512 threads, two blocks an SM) unless every t
+  // fits in 32 rows (T <= 64: 256 threads, so fewer rows sit idle). T > 128 takes several tiles and
+  // the ordered sum of their float32 partial sums of g's gradient (for (32, 256, 64, 512) fp16:
+  // 8 MB written and read again beside the gradient's 537 MB).
+  const int rows = T <= kBackwardTs * 32 ? 32 : 64;
+  const int threads = kLanes * rows;
+  l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);
   const auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(grad.scalar_type(), op, "grad", [&](auto tag) {
     using T_ = typename decltype(tag)::type;
@@ -410,7 +569,10 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       constexpr bool M = decltype(masked_tag)::value;
       l.h_chunks = apex::ceil_div(H, kLanes * VW);
       const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
-      joint_backward_kernel<T_, VW, M><<<blocks, kThreads, 0, stream>>>(
+      const size_t smem = size_t{2} * kUChunk * (threads / 32) * (kLanes * VW) * sizeof(A);
+      const auto kernel = joint_backward_kernel<T_, VW, M>;
+      apex::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, true);
+      kernel<<<blocks, threads, smem, stream>>>(
           grad.const_data_ptr<T_>(), mask_ptr, l, scale, f_grad.mutable_data_ptr<T_>(),
           g_grad.mutable_data_ptr<T_>(), partial_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
