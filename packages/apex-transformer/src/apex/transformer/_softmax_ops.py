@@ -2,7 +2,8 @@
 
 - ``scaled_softmax_forward(input, mask=None, scale=1.0, causal=False) -> output``:
   ``y = softmax(scale * x, masked)`` over the last dimension, computed in float32, returned in
-  the input's dtype. ``input`` is ``[..., sq, sk]``, contiguous, float16, bfloat16 or float32
+  the input's dtype. ``input`` is ``[..., sq, sk]`` at any strides (the kernel reads a contiguous copy of a
+  strided one), float16, bfloat16 or float32
   (upstream's kernels take only the 16-bit types; float32 is accepted here on every path, so
   the functional API and the CPU reference work for it too). Masking is one of:
 
@@ -59,7 +60,9 @@ def _check_forward(a) -> None:
     op, input, mask = a.op, a.input, a.mask
     _float_input(op, "input", input)
     _rows_layout(op, "input", input)
-    checks.dense(op, "input", input, input.device)
+    # Any strides (read from a contiguous copy when needed): Inductor hands on views, e.g. of a
+    # matmul it padded, mm(a, pad(b))[..., :sk], where eager code had a contiguous tensor.
+    checks.placed(op, "input", input, input.device)
     if a.causal:
         if mask is not None:
             raise ValueError(f"{op}: causal masking takes no mask (got a mask)")

@@ -74,7 +74,7 @@ inline void square(const char* op, const char* name, const at::Tensor& t) {
 inline void check_forward(const char* op, const at::Tensor& input, const at::Tensor* mask, bool causal) {
   float_input(op, "input", input);
   rows_layout(op, "input", input);
-  apex::checks::dense(op, "input", input, input.device());
+  apex::checks::placed(op, "input", input, input.device());  // any strides: the kernel reads a contiguous copy
   if (causal) {
     TORCH_CHECK_VALUE(mask == nullptr, op, ": causal masking takes no mask (got a mask)");
     square(op, "input", input);

@@ -332,12 +332,13 @@ void launch_forward(const ForwardParams<T>& p, const Plan& plan) {
   }
 }
 
-at::Tensor scaled_softmax_forward_cuda(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
-                                       bool causal) {
+at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const std::optional<at::Tensor>& mask,
+                                       double scale, bool causal) {
   const char* op = "scaled_softmax_forward";
   const at::Tensor* m = apex::optional_tensor(mask);
-  check_forward(op, input, m, causal);
-  const c10::cuda::CUDAGuard device_guard(input.device());
+  check_forward(op, strided_input, m, causal);
+  const c10::cuda::CUDAGuard device_guard(strided_input.device());
+  const at::Tensor input = strided_input.contiguous();  // itself when already contiguous
   at::Tensor output = at::empty(input.sizes(), input.options());
   if (input.numel() == 0) return output;
   const int64_t sk = input.size(-1);
