@@ -2,6 +2,8 @@
 # Compile CUDA sources for sm_90a here (no GPU needed) and print each kernel's registers, spills
 # and shared memory as ptxas reports them: a check before device time is spent on a build.
 #   tools/ptxas_check.sh FILE.cu [FILE.cu...]      (PYTHON: a Python with a CUDA build of torch)
+# SASS_DIR=DIR also keeps each file's object there and writes its disassembly to DIR/NAME.sass
+# (cuobjdump from the toolkit, the PATH, or the one triton ships).
 set -euo pipefail
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,7 +22,9 @@ PYEOF
 )
 for src in "$@"; do
   echo "== $src"
-  "$CUDA_HOME/bin/nvcc" -c -o /dev/null "$src" -gencode arch=compute_90a,code=sm_90a -std=c++20 -O3 --use_fast_math \
+  obj=/dev/null
+  [[ -n ${SASS_DIR:-} ]] && mkdir -p "$SASS_DIR" && obj="$SASS_DIR/$(basename "$src").o"
+  "$CUDA_HOME/bin/nvcc" -c -o "$obj" "$src" -gencode arch=compute_90a,code=sm_90a -std=c++20 -O3 --use_fast_math \
     --expt-relaxed-constexpr -U__CUDA_NO_HALF_OPERATORS__ -U__CUDA_NO_HALF_CONVERSIONS__ \
     -U__CUDA_NO_BFLOAT16_CONVERSIONS__ -U__CUDA_NO_HALF2_OPERATORS__ -DTORCH_EXTENSION_NAME=_C \
     "${INCLUDES[@]}" -I"$ROOT/packages/apex-core/src/apex/core/csrc/include" -I"$(dirname "$src")" \
@@ -48,4 +52,10 @@ for line in sys.stdin:
         print(f"{m.group(1):>4} regs  spill {spills[0]}/{spills[1]}  {pretty[:150]}")
         name = None
 '
+  if [[ $obj != /dev/null ]]; then
+    objdump=$CUDA_HOME/bin/cuobjdump
+    [[ -x $objdump ]] || objdump=$(command -v cuobjdump || "$PY" -c \
+      "import os, triton; print(os.path.join(os.path.dirname(triton.__file__), 'backends/nvidia/bin/cuobjdump'))")
+    "$objdump" -sass "$obj" | c++filt >"$SASS_DIR/$(basename "$src").sass"
+  fi
 done

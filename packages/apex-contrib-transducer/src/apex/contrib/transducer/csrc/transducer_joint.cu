@@ -33,6 +33,9 @@ constexpr int kLanes = 8;  // threads along H
 constexpr int kRows = 32;  // threads along t
 constexpr int kThreads = kLanes * kRows;
 constexpr int kForwardTs = 4;             // t's per thread in the forward
+// Forward blocks resident an SM (64 registers a thread): at 3 (78-80 registers) the 512 blocks of
+// (32, 256, 64, 512) fp16 took 1.3 waves of 396 slots.
+constexpr int kForwardMinBlocks = 4;
 constexpr int kBackwardTs = 2;            // t's per thread in the backward
 constexpr int kBackwardUs = 2;            // u's per step of the backward (loads in flight: Ts x Us)
 constexpr int kBackwardMaxThreads = 512;  // the backward's block: 8 lanes by 32 or 64 rows
@@ -83,7 +86,7 @@ __device__ __forceinline__ Batch batch_of(const Layout& l, int64_t b) {
 }
 
 template <typename T, int VW, bool kMasked>
-__global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g,
+__global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks) joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g,
                                                                  Layout l, bool relu, const int64_t* seed,
                                                                  uint64_t threshold, double scale, T* __restrict__ out,
                                                                  uint8_t* __restrict__ mask) {
@@ -99,27 +102,33 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
   const bool packed = l.batch_offset != nullptr;
   const uint32_t key = (kMasked && seed != nullptr) ? dropout_key(*seed) : 0u;
 
-  A fv[kForwardTs][VW];
-  int64_t ts[kForwardTs];
-#pragma unroll
-  for (int i = 0; i < kForwardTs; ++i) {
-    ts[i] = tile * (kForwardTs * kRows) + i * kRows + row;
-    if (ts[i] < bt.F) {
-      load_acc<VW>(fv[i], f + (bt.b * l.T + ts[i]) * l.H + h0);
-    }
-  }
   const int64_t n_u = packed ? bt.G : l.U;
   const int64_t t_end = packed ? bt.F : l.T;
-  for (int64_t u = 0; u < n_u; ++u) {
+  // Per t of this thread: f's vector as loaded (converted at each use: 16 registers, not 32, for
+  // 4 x 8 16-bit values), whether f holds the t (t < F), its first output row (u = 0) and the u's
+  // it writes (none past t_end; packed offsets beyond the output write nothing).
+  Vec<T, VW> fv[kForwardTs];
+  unsigned f_valid = 0u;
+  int64_t row0[kForwardTs];
+  int u_count[kForwardTs];
+#pragma unroll
+  for (int i = 0; i < kForwardTs; ++i) {
+    const int64_t t = tile * (kForwardTs * kRows) + i * kRows + row;
+    if (t < bt.F) {
+      fv[i] = *reinterpret_cast<const Vec<T, VW>*>(f + (bt.b * l.T + t) * l.H + h0);
+      f_valid |= 1u << i;
+    }
+    row0[i] = bt.base + t * bt.stride_t;
+    u_count[i] = t < t_end ? static_cast<int>(clamp64(l.rows - row0[i], 0, n_u)) : 0;
+  }
+  for (int u = 0; u < n_u; ++u) {
     A gv[VW];
     if (u < bt.G) load_acc<VW>(gv, g + (bt.b * l.U + u) * l.H + h0);
 #pragma unroll
     for (int i = 0; i < kForwardTs; ++i) {
-      const int64_t t = ts[i];
-      if (t >= t_end) continue;
-      const int64_t out_row = bt.base + t * bt.stride_t + u;
-      if (out_row >= l.rows) continue;  // packed offsets beyond the output: nothing to write
-      const bool valid = t < bt.F && u < bt.G;
+      if (u >= u_count[i]) continue;
+      const int64_t out_row = row0[i] + u;
+      const bool valid = ((f_valid >> i) & 1u) != 0u && u < bt.G;
       A v[VW];
       Vec<uint8_t, VW> m;
       // The high word of the element index is the same across the vector (it starts at a multiple
@@ -133,7 +142,7 @@ __global__ void __launch_bounds__(kThreads) joint_forward_kernel(const T* __rest
           m.v[j] = 0;
           continue;
         }
-        v[j] = fv[i][j] + gv[j];
+        v[j] = static_cast<A>(fv[i].v[j]) + gv[j];
         if constexpr (kMasked) {
           bool keep = relu ? v[j] > A(0) : true;
           if (seed != nullptr) {
