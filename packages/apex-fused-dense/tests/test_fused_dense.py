@@ -117,6 +117,29 @@ def test_fused_dense_gelu_dense_matches_float64(device, dtype, shape):
         assert_close_to_float64(g, e, dtype, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "variable, names", [("APEX_CUBLASLT_ENABLE", "dgelu"), ("APEX_CUBLASLT_DISABLE", "all")], ids=["dgelu", "no_lt"]
+)
+def test_epilogue_switches_keep_the_results(monkeypatch, variable, names):
+    # apex-core's cuBLASLt runner: the DGELU_BGRAD epilogue (off by default) turned on, and every
+    # epilogue switched off (each GEMM with an epilogue then through ATen); aligned shapes.
+    monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
+    monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
+    monkeypatch.setenv(variable, names)
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = [t.requires_grad_() for t in gelu_params((257, 64, 256, 128), dtype, "cuda")]
+        out = fused_dense_gelu_dense_function(*inputs)
+        dy = randn(out.shape, dtype, "cuda", seed=6)
+        got = grads(out, inputs, dy)
+        inputs64 = float64_copies(*inputs)
+        expected_out = gelu_dense_float64(*inputs64)
+        expected = grads(expected_out, inputs64, dy.double())
+        assert_close_to_float64(out.detach(), expected_out.detach(), dtype, "output")
+        for name, g, e in zip(["d_input", "d_weight1", "d_bias1", "d_weight2", "d_bias2"], got, expected):
+            assert_close_to_float64(g, e, dtype, name)
+
+
 def test_gelu_forward_keeps_the_pre_activation(device):
     x, w1, b1, w2, b2 = gelu_params((9, 16, 24, 8), torch.float32, device)
     output1, output2, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)

@@ -29,7 +29,7 @@ def _layers(bias, inputs):
 
 def forward(bias, activation, inputs):
     input, weights, biases = _layers(bias, inputs)
-    outputs = _ops.mlp_forward(input, weights, biases, int(activation))[: len(weights)]
+    outputs = _ops.mlp_forward(input, weights, biases, int(activation), False)  # no relu masks: unused
     reserved = outputs[0].new_empty((sum(y.numel() for y in outputs),))
     offset = 0
     for y in outputs:

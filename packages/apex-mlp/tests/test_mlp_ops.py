@@ -133,6 +133,58 @@ def test_without_the_input_gradient(device, dtype):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forward_without_relu_masks(device, dtype):
+    # relu_masks=False: the outputs alone, none of the masks allocated or written.
+    tensors, layers = make_layers(33, [40, 24, 16, 8], dtype, device)
+    x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
+    assert len(_ops.mlp_forward(x, weights, biases, 1)) == 2 * layers - 1
+    outputs = _ops.mlp_forward(x, weights, biases, 1, False)
+    assert len(outputs) == layers
+    expected, _, _ = float64_mlp(x, weights, biases, 1)
+    assert relative_error(outputs[-1], expected) <= tolerance(dtype, layers)
+    torch.library.opcheck(torch.ops.apex_mlp.mlp_forward.default, (x, weights, biases, 1, False))
+
+
+@pytest.mark.parametrize(
+    "enable, disable, on",
+    [("", "", False), ("drelu", "", True), ("bias,all", "", True), ("drelu", "relu,drelu", False),
+     ("all", "all", False), ("dgelu,relu", "", False), (" drelu", "", False)],
+)  # fmt: skip
+def test_drelu_epilogue_switch_follows_apex_cublaslt_h(monkeypatch, enable, disable, on):
+    # The same rule as apex-core's apex/cublaslt.h: exact comma-separated names, DRELU off by default.
+    monkeypatch.setenv("APEX_CUBLASLT_ENABLE", enable)
+    monkeypatch.setenv("APEX_CUBLASLT_DISABLE", disable)
+    assert _ops.drelu_epilogue_on() is on
+
+
+@pytest.mark.parametrize("drelu", [False, True], ids=["drelu_off", "drelu_on"])
+def test_autograd_keeps_masks_only_for_the_drelu_epilogue(device, monkeypatch, drelu):
+    # With the DRELU epilogue on, the CUDA forward writes the masks and the backward reads them in
+    # its GEMMs' epilogues; otherwise (the default) no mask is saved, and the backward takes relu's
+    # derivative from the saved outputs. The gradients are the same either way.
+    monkeypatch.setenv("APEX_CUBLASLT_ENABLE", "drelu" if drelu else "")
+    monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
+    tensors, layers = make_layers(64, [64, 128, 32, 16], torch.bfloat16, device)  # cuBLASLt's shapes
+    x, params = tensors[0].requires_grad_(), [t.requires_grad_() for t in tensors[1:]]
+    saved = []
+
+    def pack(t):
+        saved.append(t.dtype)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = _ops.mlp(True, 1, x, *params)
+    assert saved.count(torch.uint8) == (layers - 1 if drelu and device == "cuda" else 0)
+    grad_output = torch.randn(y.shape, dtype=torch.float64).to(y.dtype).to(device)
+    grads = torch.autograd.grad(y, [x, *params], grad_output)
+    expected, x64, params64 = float64_mlp(x, tensors[1 : 1 + layers], tensors[1 + layers :], 1)
+    expected_grads = torch.autograd.grad(expected, [x64, *params64], grad_output.double().cpu())
+    assert relative_error(y, expected) <= tolerance(torch.bfloat16, layers)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_unaligned_input(device, dtype):
     # The input one element into its storage: not 16-byte aligned, so cuBLASLt cannot take its GEMMs.

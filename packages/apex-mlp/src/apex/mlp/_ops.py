@@ -3,12 +3,15 @@
 Two ops carry a whole multi-layer perceptron (``y_i = act(y_{i-1} @ w_i^T + b_i)``, the activation
 after every layer, the last included, as upstream Apex):
 
-- ``mlp_forward(input, weights, biases, activation) -> Tensor[]``: every layer's output (the last
-  one is the MLP's output), then, with relu, one bit mask per hidden layer (see :func:`relu_mask`).
-  These are what the backward needs besides the parameters: the next layer's weight gradient reads
-  a layer's output, and the activation derivative is a function of the output (relu's ``y > 0``,
-  sigmoid's ``y * (1 - y)``). The masks let the CUDA backward apply relu's derivative inside the
-  previous GEMM's epilogue (cuBLASLt's ``DRELU_BGRAD``), where the references read the outputs.
+- ``mlp_forward(input, weights, biases, activation, relu_masks=True) -> Tensor[]``: every layer's
+  output (the last one is the MLP's output), then, with relu and ``relu_masks``, one bit mask per
+  hidden layer (see :func:`relu_mask`). These are what the backward needs besides the parameters:
+  the next layer's weight gradient reads a layer's output, and the activation derivative is a
+  function of the output (relu's ``y > 0``, sigmoid's ``y * (1 - y)``). The masks let the CUDA
+  backward apply relu's derivative inside the previous GEMM's epilogue (cuBLASLt's ``DRELU_BGRAD``),
+  where the references read the outputs. That epilogue is off by default (apex-core's
+  ``apex/cublaslt.h``: slower on the H200), so the autograd path asks for masks only where it is on
+  (:func:`drelu_epilogue_on`); without them the forward neither allocates nor writes any.
 - ``mlp_backward(grad_output, input, weights, outputs, masks, bias, activation, input_grad) -> Tensor[]``:
   ``[grad_input (only with input_grad), *grad_weights, *grad_biases (only with bias)]``; ``masks``
   is the forward's, or empty.
@@ -18,6 +21,8 @@ checks with the same words.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -101,10 +106,20 @@ def _mask_count(activation: int, layers: int) -> int:
     return layers - 1 if activation == ACTIVATIONS["relu"] else 0
 
 
+def drelu_epilogue_on() -> bool:
+    """Whether the CUDA backward may take relu's derivative in cuBLASLt's ``DRELU`` epilogues (the
+    only reader of the forward's relu masks): off unless ``APEX_CUBLASLT_ENABLE`` names ``drelu`` (or
+    ``all``) and ``APEX_CUBLASLT_DISABLE`` does not; the rule of apex-core's ``apex/cublaslt.h``,
+    which reads the same variables on every call. Under ``torch.compile`` it is read when tracing."""
+    enabled = os.environ.get("APEX_CUBLASLT_ENABLE", "").split(",")
+    disabled = os.environ.get("APEX_CUBLASLT_DISABLE", "").split(",")
+    return any(name in enabled for name in ("drelu", "all")) and not any(name in disabled for name in ("drelu", "all"))
+
+
 def _forward_fake(a):
     rows = a.input.shape[0]
     outputs = [a.input.new_empty((rows, w.shape[0])) for w in a.weights]
-    hidden = a.weights[: _mask_count(a.activation, len(a.weights))]
+    hidden = a.weights[: _mask_count(a.activation, len(a.weights)) if a.relu_masks else 0]
     return outputs + [a.input.new_empty((rows, mask_bytes(w.shape[0])), dtype=torch.uint8) for w in hidden]
 
 
@@ -118,7 +133,7 @@ def _activate(z: torch.Tensor, activation: int) -> torch.Tensor:
 
 @op(
     KERNELS,
-    "mlp_forward(Tensor input, Tensor[] weights, Tensor[] biases, int activation) -> Tensor[]",
+    "mlp_forward(Tensor input, Tensor[] weights, Tensor[] biases, int activation, bool relu_masks=True) -> Tensor[]",
     check=_check_forward,
     fake=_forward_fake,
 )
@@ -129,7 +144,8 @@ def mlp_forward(a):
         z = torch.addmm(a.biases[i], y, w.t()) if a.biases else y @ w.t()
         y = _activate(z, a.activation)
         outputs.append(y)
-    return outputs + [relu_mask(y) for y in outputs[: _mask_count(a.activation, len(outputs))]]
+    masks = _mask_count(a.activation, len(outputs)) if a.relu_masks else 0
+    return outputs + [relu_mask(y) for y in outputs[:masks]]
 
 
 def _check_backward(a) -> None:
@@ -205,7 +221,9 @@ def mlp_backward(a):
 
 def _forward(bias: bool, activation: int, input: torch.Tensor, *parameters: torch.Tensor):
     weights, biases = _split(bias, parameters)
-    return tuple(mlp_forward(input, weights, biases, activation))
+    # The masks only for a CUDA backward that will read them (the references never do).
+    relu_masks = input.is_cuda and drelu_epilogue_on()
+    return tuple(mlp_forward(input, weights, biases, activation, relu_masks))
 
 
 def _split(bias: bool, parameters):

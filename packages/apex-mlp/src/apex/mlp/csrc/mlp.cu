@@ -1,17 +1,18 @@
 // The MLP's forward and backward, one op each: y_i = act(y_{i-1} w_i^T + b_i) for every layer.
 // The references, and the wording of the checks below, are in apex.mlp's _ops.py.
 //
-// Each GEMM goes through cuBLASLt (the handle PyTorch keeps for the current device, the current
-// stream, a workspace from PyTorch's caching allocator) with its epilogue doing what follows it:
-// forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS; RELU_AUX_BIAS for hidden layers, which
-// also writes the bit mask of y > 0 that the backward reads), sigmoid by a small element-wise kernel
-// after the bias epilogue; backward: the bias gradient in the weight-gradient GEMM
-// (CUBLASLT_EPILOGUE_BGRADB), relu's derivative and the previous layer's bias gradient in the
-// input-gradient GEMM (CUBLASLT_EPILOGUE_DRELU_BGRAD, reading the mask), otherwise the activation
-// derivative by an element-wise kernel reading the layer's output (relu: y > 0, sigmoid:
-// y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading dimension or pointer not 16-byte
-// aligned, an empty dimension, float64, no algorithm for the epilogue), that GEMM and its epilogue
-// go through ATen and small kernels instead: every shape works.
+// Each GEMM goes through apex-core's cuBLASLt runner (apex/cublaslt.h: the handle PyTorch keeps for
+// the current device, the current stream, a workspace from PyTorch's caching allocator) with its
+// epilogue doing what follows it: forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS; with
+// relu_masks, RELU_AUX_BIAS for hidden layers, which also writes the bit mask of y > 0 that the
+// backward's DRELU epilogue reads), sigmoid by a small element-wise kernel after the bias epilogue;
+// backward: the bias gradient in the weight-gradient GEMM (CUBLASLT_EPILOGUE_BGRADB), relu's
+// derivative and the previous layer's bias gradient in the input-gradient GEMM
+// (CUBLASLT_EPILOGUE_DRELU_BGRAD, reading the mask; off by default, see apex/cublaslt.h),
+// otherwise the activation derivative by an element-wise kernel reading the layer's output (relu:
+// y > 0, sigmoid: y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading dimension or pointer not
+// 16-byte aligned, an empty dimension, float64, an epilogue switched off, no algorithm for the
+// epilogue), that GEMM and its epilogue go through ATen and small kernels instead: every shape works.
 //
 // Row-major [rows, cols] is column-major [cols, rows]; so y = x w^T is, in cuBLASLt's terms,
 // D (n_out x batch) = op_T(w) (n_out x n_in) * x (n_in x batch).
@@ -25,7 +26,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -95,166 +95,10 @@ void check_activation(const char* op, int64_t activation) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// cuBLASLt
+// cuBLASLt: apex-core's runner (apex/cublaslt.h). Every GEMM here needs 16-byte aligned pointers
+// and leading dimensions, or it goes through ATen; cuBLASLt is told 16 bytes for every operand.
 
-#define APEX_CUBLAS_CHECK(EXPR)                                                                        \
-  do {                                                                                                 \
-    const cublasStatus_t apex_status = (EXPR);                                                         \
-    TORCH_CHECK(apex_status == CUBLAS_STATUS_SUCCESS, #EXPR " failed: ", cublasLtGetStatusString(apex_status)); \
-  } while (0)
-
-// 32 MiB, what cuBLAS recommends for Hopper; from the caching allocator, so reused across calls.
-constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;
-constexpr uintptr_t kAlignment = 16;
-
-struct MatmulDescDeleter {
-  void operator()(cublasLtMatmulDescOpaque_t* p) const { cublasLtMatmulDescDestroy(p); }
-};
-struct LayoutDeleter {
-  void operator()(cublasLtMatrixLayoutOpaque_t* p) const { cublasLtMatrixLayoutDestroy(p); }
-};
-struct PreferenceDeleter {
-  void operator()(cublasLtMatmulPreferenceOpaque_t* p) const { cublasLtMatmulPreferenceDestroy(p); }
-};
-using MatmulDesc = std::unique_ptr<cublasLtMatmulDescOpaque_t, MatmulDescDeleter>;
-using Layout = std::unique_ptr<cublasLtMatrixLayoutOpaque_t, LayoutDeleter>;
-using Preference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceDeleter>;
-
-Layout layout(cudaDataType_t type, uint64_t rows, uint64_t cols, int64_t ld) {
-  cublasLtMatrixLayout_t raw = nullptr;
-  APEX_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&raw, type, rows, cols, ld));
-  return Layout(raw);
-}
-
-// (null counts as aligned: an absent operand)
-bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
-
-// One GEMM on cuBLASLt, column-major: D (m x n, ld ldd) = op(A) (m x k) * op(B) (k x n), with
-// `epilogue` reading or writing `bias`. Returns false, having done nothing, where cuBLASLt cannot
-// take it (the caller then computes it through ATen).
-struct Gemm {
-  cublasOperation_t transa, transb;
-  int64_t m, n, k;
-  const void* a;
-  int64_t lda;
-  const void* b;
-  int64_t ldb;
-  void* d;
-  int64_t ldd;
-  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  const void* bias = nullptr;
-  void* aux = nullptr;  // a relu bit mask, m x n column-major bits, aux_ld bits per column
-  int64_t aux_ld = 0;
-};
-
-class Lt {
- public:
-  explicit Lt(const at::Tensor& like) : dtype_(like.scalar_type()), device_(like.device()) {
-    switch (dtype_) {
-      case at::kFloat:
-        type_ = CUDA_R_32F;
-        compute_ = at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-        break;
-      case at::kHalf:
-        type_ = CUDA_R_16F;
-        break;
-      case at::kBFloat16:
-        type_ = CUDA_R_16BF;
-        break;
-      default:
-        usable_ = false;  // float64: ATen
-    }
-    element_bytes_ = static_cast<int64_t>(c10::elementSize(dtype_));
-  }
-
-  bool run(const Gemm& g) {
-    if (!usable_ || g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
-    if (!apex::lt::epilogue_enabled(g.epilogue)) return false;  // APEX_CUBLASLT_DISABLE (benchmarks)
-    for (const int64_t ld : {g.lda, g.ldb, g.ldd}) {
-      if (ld * element_bytes_ % static_cast<int64_t>(kAlignment) != 0) return false;
-    }
-    if (!aligned(g.a) || !aligned(g.b) || !aligned(g.d) || !aligned(g.bias) || !aligned(g.aux)) return false;
-
-    cublasLtMatmulDesc_t raw_desc = nullptr;
-    APEX_CUBLAS_CHECK(cublasLtMatmulDescCreate(&raw_desc, compute_, CUDA_R_32F));
-    const MatmulDesc desc(raw_desc);
-    set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, g.transa);
-    set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, g.transb);
-    set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
-    if (g.bias != nullptr) set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
-    if (g.aux != nullptr) {
-      set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
-      set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
-    }
-
-    const bool ta = g.transa != CUBLAS_OP_N;
-    const bool tb = g.transb != CUBLAS_OP_N;
-    const Layout a_layout = layout(type_, ta ? g.k : g.m, ta ? g.m : g.k, g.lda);
-    const Layout b_layout = layout(type_, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb);
-    const Layout d_layout = layout(type_, g.m, g.n, g.ldd);
-
-    cublasLtMatmulPreference_t raw_pref = nullptr;
-    APEX_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&raw_pref));
-    const Preference pref(raw_pref);
-    const uint64_t workspace_bytes = kWorkspaceBytes;
-    const uint32_t alignment = kAlignment;
-    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes);
-    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment);
-    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment);
-    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment);
-    set_pref(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment);
-
-    cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-    const apex::lt::AlgoKey key = {g.transa, g.transb, g.m,       g.n,       g.k,
-                                   g.lda,    g.ldb,    g.ldd,     g.epilogue, type_,
-                                   compute_, g.aux_ld, alignment, kWorkspaceBytes, device_.index(),
-                                   0,        0,        0,         0,          0};
-    cublasLtMatmulAlgo_t algo = {};
-    const bool found = apex::lt::cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
-      cublasLtMatmulHeuristicResult_t heuristic = {};
-      int count = 0;
-      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-          handle, desc.get(), a_layout.get(), b_layout.get(), d_layout.get(), d_layout.get(), pref.get(), 1, &heuristic,
-          &count);
-      if (status != CUBLAS_STATUS_SUCCESS || count == 0) return false;
-      *out = heuristic.algo;
-      return true;
-    });
-    if (!found) return false;
-
-    const float alpha = 1.0f;
-    const float beta = 0.0f;
-    // A configuration cuBLASLt refuses at launch (it checks before queuing any work) also falls back.
-    return cublasLtMatmul(handle, desc.get(), &alpha, g.a, a_layout.get(), g.b, b_layout.get(), &beta, g.d,
-                          d_layout.get(), g.d, d_layout.get(), &algo, workspace(), kWorkspaceBytes,
-                          at::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
-  }
-
- private:
-  template <typename T>
-  static void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
-    APEX_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
-  }
-  template <typename T>
-  static void set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute,
-                       const T& value) {
-    APEX_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)));
-  }
-  void* workspace() {
-    if (!workspace_.defined()) {
-      workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
-    }
-    return workspace_.data_ptr();
-  }
-
-  c10::ScalarType dtype_;
-  c10::Device device_;
-  cudaDataType_t type_ = CUDA_R_32F;
-  cublasComputeType_t compute_ = CUBLAS_COMPUTE_32F;
-  bool usable_ = true;
-  int64_t element_bytes_ = 4;
-  at::Tensor workspace_;
-};
+constexpr uint32_t kAlignment = 16;
 
 // ---------------------------------------------------------------------------------------------
 // Element-wise kernels: sigmoid in place, and the activation's derivative.
@@ -386,17 +230,18 @@ at::Tensor activation_backward(const at::Tensor& dy, const at::Tensor& y, int64_
 // The ops
 
 std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList weights, at::TensorList biases,
-                                         int64_t activation) {
+                                         int64_t activation, bool relu_masks) {
   constexpr const char* kOp = "mlp_forward";
   check_layers(kOp, input, weights, static_cast<int64_t>(biases.size()), biases);
   check_activation(kOp, activation);
   const c10::cuda::CUDAGuard device_guard(input.device());
 
-  Lt lt(input);
+  apex::lt::Runner lt(input, kAlignment);
   const int64_t batch = input.size(0);
   const bool bias = !biases.empty();
   const auto layers = static_cast<int64_t>(weights.size());
-  const int64_t masks = mask_count(activation, layers);
+  // Without relu_masks (the backward will not run DRELU) no mask is allocated or written.
+  const int64_t masks = relu_masks ? mask_count(activation, layers) : 0;
   std::vector<at::Tensor> outputs;
   outputs.reserve(layers + masks);
   std::vector<at::Tensor> mask_tensors;
@@ -407,28 +252,22 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
     const int64_t n_out = w.size(0);
     at::Tensor out = at::empty({batch, n_out}, input.options());
     at::Tensor mask;
-    cublasLtEpilogue_t epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
-    if (activation == kRelu) epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    apex::lt::Gemm gemm;
+    gemm.transpose_a = true;
+    gemm.m = n_out, gemm.n = batch, gemm.k = n_in;
+    gemm.a = w.const_data_ptr(), gemm.lda = n_in;
+    gemm.b = y.const_data_ptr(), gemm.ldb = n_in;
+    gemm.d = out.mutable_data_ptr(), gemm.ldd = n_out;
+    gemm.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    if (activation == kRelu) gemm.epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
+    if (bias) gemm.bias = biases[i].const_data_ptr();
     if (i < masks) {
       // Zeroed: cuBLASLt need not write the padding bits, and an op's outputs must not vary run to run.
       mask = at::zeros({batch, mask_bytes(n_out)}, input.options().dtype(at::kByte));
-      epilogue = bias ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS : CUBLASLT_EPILOGUE_RELU_AUX;
+      gemm.epilogue = bias ? CUBLASLT_EPILOGUE_RELU_AUX_BIAS : CUBLASLT_EPILOGUE_RELU_AUX;
+      gemm.aux = mask.mutable_data_ptr();
+      gemm.aux_ld = mask_bytes(n_out) * 8;
     }
-    const Gemm gemm{CUBLAS_OP_T,
-                    CUBLAS_OP_N,
-                    n_out,
-                    batch,
-                    n_in,
-                    w.const_data_ptr(),
-                    n_in,
-                    y.const_data_ptr(),
-                    n_in,
-                    out.mutable_data_ptr(),
-                    n_out,
-                    epilogue,
-                    bias ? biases[i].const_data_ptr() : nullptr,
-                    mask.defined() ? mask.mutable_data_ptr() : nullptr,
-                    mask_bytes(n_out) * 8};
     if (!lt.run(gemm)) {
       if (bias) {
         at::addmm_out(out, biases[i], y, w.t());
@@ -481,7 +320,7 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
                     checks::shape_string(outputs[layers - 1].sizes()), " (the output's)");
   const c10::cuda::CUDAGuard device_guard(input.device());
 
-  Lt lt(input);
+  apex::lt::Runner lt(input, kAlignment);
   std::vector<at::Tensor> grad_weights(layers);
   std::vector<at::Tensor> grad_biases(layers);
   at::Tensor grad = grad_output;
@@ -500,19 +339,16 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
     // dW (n_out x n_in, row-major) = dz^T y_in; column-major D (n_in x n_out) = y_in^T-as-stored * dz^T.
     at::Tensor dw = at::empty_like(w);
     at::Tensor db = db_done ? fused_db : bias ? at::empty({n_out}, w.options()) : at::Tensor();
-    const Gemm wgrad{CUBLAS_OP_N,
-                     CUBLAS_OP_T,
-                     n_in,
-                     n_out,
-                     batch,
-                     y_in.const_data_ptr(),
-                     n_in,
-                     dz.const_data_ptr(),
-                     n_out,
-                     dw.mutable_data_ptr(),
-                     n_in,
-                     bias && !db_done ? CUBLASLT_EPILOGUE_BGRADB : CUBLASLT_EPILOGUE_DEFAULT,
-                     bias && !db_done ? db.mutable_data_ptr() : nullptr};
+    apex::lt::Gemm wgrad;
+    wgrad.transpose_b = true;
+    wgrad.m = n_in, wgrad.n = n_out, wgrad.k = batch;
+    wgrad.a = y_in.const_data_ptr(), wgrad.lda = n_in;
+    wgrad.b = dz.const_data_ptr(), wgrad.ldb = n_out;
+    wgrad.d = dw.mutable_data_ptr(), wgrad.ldd = n_in;
+    if (bias && !db_done) {
+      wgrad.epilogue = CUBLASLT_EPILOGUE_BGRADB;
+      wgrad.bias = db.mutable_data_ptr();
+    }
     if (!lt.run(wgrad)) {
       at::mm_out(dw, dz.t(), y_in);
       const int64_t batch_dim[] = {0};
@@ -527,29 +363,24 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
       at::Tensor dy_in = at::empty({batch, n_in}, input.options());
       const bool drelu = i > 0 && !masks.empty();
       at::Tensor next_db = drelu && bias ? at::empty({n_in}, w.options()) : at::Tensor();
-      cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-      if (drelu) epilogue = bias ? CUBLASLT_EPILOGUE_DRELU_BGRAD : CUBLASLT_EPILOGUE_DRELU;
-      const Gemm dgrad{CUBLAS_OP_N,
-                       CUBLAS_OP_N,
-                       n_in,
-                       batch,
-                       n_out,
-                       w.const_data_ptr(),
-                       n_in,
-                       dz.const_data_ptr(),
-                       n_out,
-                       dy_in.mutable_data_ptr(),
-                       n_in,
-                       epilogue,
-                       next_db.defined() ? next_db.mutable_data_ptr() : nullptr,
-                       drelu ? const_cast<void*>(masks[i - 1].const_data_ptr()) : nullptr,
-                       drelu ? masks[i - 1].size(1) * 8 : 0};
+      apex::lt::Gemm dgrad;
+      dgrad.m = n_in, dgrad.n = batch, dgrad.k = n_out;
+      dgrad.a = w.const_data_ptr(), dgrad.lda = n_in;
+      dgrad.b = dz.const_data_ptr(), dgrad.ldb = n_out;
+      dgrad.d = dy_in.mutable_data_ptr(), dgrad.ldd = n_in;
+      if (drelu) {
+        dgrad.epilogue = bias ? CUBLASLT_EPILOGUE_DRELU_BGRAD : CUBLASLT_EPILOGUE_DRELU;
+        if (bias) dgrad.bias = next_db.mutable_data_ptr();
+        dgrad.aux = const_cast<void*>(masks[i - 1].const_data_ptr());  // read only by DRELU
+        dgrad.aux_ld = masks[i - 1].size(1) * 8;
+      }
       grad_is_dz = drelu && lt.run(dgrad);
       if (!grad_is_dz) {
-        Gemm plain = dgrad;
+        apex::lt::Gemm plain = dgrad;
         plain.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
         plain.bias = nullptr;
         plain.aux = nullptr;
+        plain.aux_ld = 0;
         if (!lt.run(plain)) at::mm_out(dy_in, dz, w);
       }
       fused_db = next_db;

@@ -1,7 +1,11 @@
-// What the packages that call cuBLASLt (apex-mlp, apex-fused-dense) share.
+// The cuBLASLt GEMM runner of the packages that multiply matrices (apex-mlp, apex-fused-dense):
+// one GEMM per call with its fused epilogue, on PyTorch's cuBLASLt handle for the current device,
+// the current stream and a workspace from PyTorch's caching allocator, or a refusal the caller
+// answers with ATen (apex::lt::Runner::run returns false, having written nothing).
 //
 // apex::lt::epilogue_enabled(e): whether to ask cuBLASLt for the fused epilogue e; when not, the
-// caller computes the same result with a plain GEMM and ATen ops (or its own kernels) instead.
+// runner declines and the caller computes the same result with a plain GEMM and ATen ops (or its
+// own kernels) instead.
 // A fused epilogue can cost more than it saves: on the H200 with CUDA 13.0's cuBLASLt, DRELU_BGRAD
 // and DGELU_BGRAD run as a GEMM followed by a separate generic epilogue kernel (0.3-0.4 ms per
 // call at 8192 x 4096 bf16, where PyTorch's gelu_backward plus a column sum take 0.1 ms), so
@@ -10,19 +14,32 @@
 // APEX_CUBLASLT_ENABLE turns default-off epilogues on, APEX_CUBLASLT_DISABLE turns any off.
 // Names: bias, relu (RELU, RELU_BIAS), relu_aux (RELU_AUX, RELU_AUX_BIAS), drelu (DRELU,
 // DRELU_BGRAD), gelu_aux (GELU_AUX_BIAS), dgelu (DGELU_BGRAD), bgradb (BGRADB); "all" names every one.
+// (apex-mlp's _ops.py reads the same variables to know whether the DRELU epilogues are on.)
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
 
 #include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 
 namespace apex::lt {
+// Internal linkage (an unnamed namespace): each package's library keeps its own copy of the runner
+// and its caches. With external linkage the loader would merge the function-local statics (the
+// heuristic cache, the parsed environment) of every library that includes this header into one,
+// whatever version of the header each library was built against.
+namespace {
 
 namespace detail {
 
@@ -149,4 +166,213 @@ bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t* algo, Query&& query) 
   return entry.found;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// The runner
+
+// One GEMM, column-major: D (m x n, leading dimension ldd) = op(A) (m x k) op(B) (k x n) + beta D,
+// with `epilogue` reading or writing `bias` (the bias vector; where a BGRAD epilogue writes the bias
+// gradient) and `aux` (RELU_AUX's bit mask, read by DRELU; GELU_AUX's pre-activation, read by
+// DGELU; aux_ld its leading dimension: in bits for a bit mask, in elements otherwise). A and B are
+// of the runner's dtype; D too unless d_dtype names another (a float32 accumulator of 16-bit
+// products). A row-major [rows, cols] tensor is a column-major [cols, rows] matrix.
+struct Gemm {
+  bool transpose_a = false;
+  bool transpose_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  c10::ScalarType d_dtype = c10::ScalarType::Undefined;  // Undefined: the runner's dtype
+  float beta = 0.0f;
+  cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+  int64_t aux_ld = 0;
+};
+
+// The largest power of two, up to 256, dividing the address (null: 256, an absent operand).
+inline uint32_t alignment(const void* p) {
+  const auto address = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 1;
+  while (a < 256 && address % (2 * a) == 0) a *= 2;
+  return a;
+}
+
+namespace detail {
+
+template <typename T, cublasStatus_t (*destroy)(T)>
+struct Deleter {
+  void operator()(T p) const { destroy(p); }
+};
+using MatmulDesc = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulDesc_t>,
+                                   Deleter<cublasLtMatmulDesc_t, &cublasLtMatmulDescDestroy>>;
+using Layout = std::unique_ptr<std::remove_pointer_t<cublasLtMatrixLayout_t>,
+                               Deleter<cublasLtMatrixLayout_t, &cublasLtMatrixLayoutDestroy>>;
+using Preference = std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                                   Deleter<cublasLtMatmulPreference_t, &cublasLtMatmulPreferenceDestroy>>;
+
+// float32, float16, bfloat16; anything else (float64): none (the runner declines).
+inline bool cuda_type(c10::ScalarType dtype, cudaDataType_t* type) {
+  switch (dtype) {
+    case c10::ScalarType::Float:
+      *type = CUDA_R_32F;
+      return true;
+    case c10::ScalarType::Half:
+      *type = CUDA_R_16F;
+      return true;
+    case c10::ScalarType::BFloat16:
+      *type = CUDA_R_16BF;
+      return true;
+    default:
+      return false;
+  }
+}
+
+template <typename T>
+bool set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+  return cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)) == CUBLAS_STATUS_SUCCESS;
+}
+
+template <typename T>
+bool set(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attribute, const T& value) {
+  return cublasLtMatmulPreferenceSetAttribute(pref, attribute, &value, sizeof(value)) == CUBLAS_STATUS_SUCCESS;
+}
+
+inline Layout layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld) {
+  cublasLtMatrixLayout_t raw = nullptr;
+  if (cublasLtMatrixLayoutCreate(&raw, type, rows, cols, ld) != CUBLAS_STATUS_SUCCESS) return Layout();
+  return Layout(raw);
+}
+
+}  // namespace detail
+
+// Runs GEMMs of one dtype (`like`'s) on `like`'s device, which must be the current one (a
+// CUDAGuard), on the current stream. One per op call: the 32 MiB workspace (what NVIDIA
+// recommends for Hopper) is taken from the caching allocator at the first GEMM that runs and kept
+// for the runner's other GEMMs. float32 uses TF32 where torch allows it for cuBLAS.
+//
+// run() returns false, having written nothing, wherever cuBLASLt does not take the GEMM: an empty
+// dimension or one past 2^31 - 1 (documented and tested sizes; ATen splits larger ones), float64, an
+// epilogue switched off (epilogue_enabled), a bias or aux pointer not 16-byte aligned or an aux
+// leading dimension not a multiple of 8, a descriptor cuBLASLt will not build, no algorithm from the
+// heuristic, or a refusal at launch (cuBLASLt checks its arguments before queuing any work).
+//
+// Alignment: with `required_alignment` 0, cuBLASLt is told each of A's, B's and D's own alignment
+// (up to 256 bytes) and decides what it can take (apex-fused-dense: Megatron's views at any
+// offset keep cuBLASLt). With it N (apex-mlp: 16), a GEMM whose A, B or D pointer or leading
+// dimension in bytes is not a multiple of N is declined without asking, and cuBLASLt is told N
+// for every operand (one algorithm per shape, wherever the tensors sit).
+class Runner {
+ public:
+  static constexpr int64_t kWorkspaceBytes = int64_t{32} << 20;
+
+  explicit Runner(const at::Tensor& like, uint32_t required_alignment = 0)
+      : dtype_(like.scalar_type()), device_(like.device()), required_alignment_(required_alignment) {}
+
+  bool run(const Gemm& g) {
+    constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+    if (g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
+    if (g.m > kIntMax || g.n > kIntMax || g.k > kIntMax) return false;
+    if (!epilogue_enabled(g.epilogue)) return false;  // APEX_CUBLASLT_DISABLE (benchmarks)
+    const c10::ScalarType d_dtype = g.d_dtype == c10::ScalarType::Undefined ? dtype_ : g.d_dtype;
+    cudaDataType_t ab_type = CUDA_R_32F;
+    cudaDataType_t d_type = CUDA_R_32F;
+    if (!detail::cuda_type(dtype_, &ab_type) || !detail::cuda_type(d_dtype, &d_type)) return false;
+    // Epilogue vectors must be 16-byte aligned, the auxiliary matrix's leading dimension a multiple of 8.
+    if (g.bias != nullptr && alignment(g.bias) < 16) return false;
+    if (g.aux != nullptr && (alignment(g.aux) < 16 || g.aux_ld % 8 != 0)) return false;
+    uint32_t align_a = alignment(g.a);
+    uint32_t align_b = alignment(g.b);
+    uint32_t align_d = alignment(g.d);
+    if (required_alignment_ != 0) {
+      const auto required = static_cast<int64_t>(required_alignment_);
+      const auto ab_bytes = static_cast<int64_t>(c10::elementSize(dtype_));
+      const auto d_bytes = static_cast<int64_t>(c10::elementSize(d_dtype));
+      if (g.lda * ab_bytes % required != 0 || g.ldb * ab_bytes % required != 0 || g.ldd * d_bytes % required != 0) {
+        return false;
+      }
+      if (align_a < required_alignment_ || align_b < required_alignment_ || align_d < required_alignment_) {
+        return false;
+      }
+      align_a = align_b = align_d = required_alignment_;
+    }
+    cublasComputeType_t compute = CUBLAS_COMPUTE_32F;
+    if (dtype_ == c10::ScalarType::Float && at::globalContext().allowTF32CuBLAS()) {
+      compute = CUBLAS_COMPUTE_32F_FAST_TF32;
+    }
+
+    cublasLtMatmulDesc_t raw_desc = nullptr;
+    if (cublasLtMatmulDescCreate(&raw_desc, compute, CUDA_R_32F) != CUBLAS_STATUS_SUCCESS) return false;
+    const detail::MatmulDesc desc(raw_desc);
+    const cublasOperation_t op_a = g.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t op_b = g.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    bool ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, op_a) &&
+              detail::set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, op_b) &&
+              detail::set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
+    if (ok && g.bias != nullptr) ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
+    if (ok && g.aux != nullptr) {
+      ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux) &&
+           detail::set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, g.aux_ld);
+    }
+    if (!ok) return false;
+
+    // Stored shapes: op(A) is m x k, so A is k x m when transposed; likewise B.
+    const detail::Layout layout_a =
+        detail::layout(ab_type, g.transpose_a ? g.k : g.m, g.transpose_a ? g.m : g.k, g.lda);
+    const detail::Layout layout_b =
+        detail::layout(ab_type, g.transpose_b ? g.n : g.k, g.transpose_b ? g.k : g.n, g.ldb);
+    const detail::Layout layout_d = detail::layout(d_type, g.m, g.n, g.ldd);
+    if (!layout_a || !layout_b || !layout_d) return false;
+
+    cublasLtMatmulPreference_t raw_pref = nullptr;
+    if (cublasLtMatmulPreferenceCreate(&raw_pref) != CUBLAS_STATUS_SUCCESS) return false;
+    const detail::Preference pref(raw_pref);
+    const uint64_t workspace_bytes = kWorkspaceBytes;
+    ok = detail::set(pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace_bytes) &&
+         detail::set(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a) &&
+         detail::set(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b) &&
+         detail::set(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d) &&
+         detail::set(pref.get(), CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d);
+    if (!ok) return false;
+
+    cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+    const AlgoKey key = {g.transpose_a, g.transpose_b, g.m,       g.n,       g.k,
+                         g.lda,         g.ldb,         g.ldd,     g.epilogue, ab_type,
+                         d_type,        compute,       align_a,   align_b,   align_d,
+                         g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), 0};
+    cublasLtMatmulAlgo_t algo = {};
+    const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
+      cublasLtMatmulHeuristicResult_t heuristic = {};
+      int count = 0;
+      if (cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(),
+                                         layout_d.get(), pref.get(), 1, &heuristic, &count) != CUBLAS_STATUS_SUCCESS ||
+          count == 0) {
+        return false;
+      }
+      *out = heuristic.algo;
+      return true;
+    });
+    if (!found) return false;
+
+    if (!workspace_.defined()) {
+      workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+    }
+    const float alpha = 1.0f;
+    return cublasLtMatmul(handle, desc.get(), &alpha, g.a, layout_a.get(), g.b, layout_b.get(), &g.beta, g.d,
+                          layout_d.get(), g.d, layout_d.get(), &algo, workspace_.data_ptr(), kWorkspaceBytes,
+                          c10::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
+  }
+
+ private:
+  c10::ScalarType dtype_;
+  c10::Device device_;
+  uint32_t required_alignment_;
+  at::Tensor workspace_;
+};
+
+}  // namespace
 }  // namespace apex::lt
