@@ -10,6 +10,7 @@ load from other processes falls on both, and the median is reported. The bar: ou
 PyTorch's time, per row.
 
     python packages/apex-normalization/benchmarks/bench_norms_cpu.py [--samples N] [--quick] [--out DIR]
+        [--shapes 2048x16x64,...]
 """
 
 from __future__ import annotations
@@ -80,13 +81,24 @@ def compare(ours, theirs, samples: int) -> tuple[float, float]:
     return statistics.median(a), statistics.median(b)
 
 
+def shape_name(rows: int, shape: tuple) -> str:
+    return f"{rows}x{'x'.join(map(str, shape))}"
+
+
 def main() -> int:
     parser = bench_arguments("bench_norms_cpu", __doc__, samples=7)
     parser.add_argument("--quick", action="store_true", help="two shapes")
+    parser.add_argument("--shapes", help="comma-separated shapes as the table names them (2048x16x64,...)")
     args = parser.parse_args()
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes:
+        wanted = args.shapes.split(",")
+        shapes = [(r, s) for r, s in SHAPES if shape_name(r, s) in wanted]
+        if len(shapes) != len(wanted):
+            parser.error(f"--shapes: one of {', '.join(shape_name(r, s) for r, s in SHAPES)}")
     torch.manual_seed(0)
     rows_out, verdicts = [], []
-    for rows, shape in QUICK_SHAPES if args.quick else SHAPES:
+    for rows, shape in shapes:
         for dname, dtype in DTYPES.items():
             x = torch.randn(rows, *shape).to(dtype).requires_grad_()
             w = (torch.rand(shape) + 0.5).to(dtype).requires_grad_()
@@ -104,7 +116,7 @@ def main() -> int:
                 for what, wrap in (("forward", forward), ("forward+backward", both)):
                     ours_ms, torch_ms = compare(wrap(ours), wrap(theirs), args.samples)
                     ratio = ours_ms / torch_ms
-                    name = f"{norm} {dname} {rows}x{'x'.join(map(str, shape))} {what}"
+                    name = f"{norm} {dname} {shape_name(rows, shape)} {what}"
                     rows_out.append([name, f"{ours_ms:.2f}", f"{torch_ms:.2f}", f"{ratio:.2f}"])
                     verdicts.append(f"{'PASS' if ratio <= BAR else 'FAIL'}: {name} (ours/torch {ratio:.2f}, bar {BAR})")
     notes = [f"a sample: the mean of as many calls in a row as last about {SAMPLE_MS:.0f} ms; median of {args.samples}"]

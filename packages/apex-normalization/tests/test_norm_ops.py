@@ -556,21 +556,29 @@ def test_functions_take_the_ops_under_a_mode_or_with_a_subclass():
     assert out.grad_fn.name().startswith("GeneratedBackwardFor_apex_normalization_norm_forward")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
-def test_float_layer_norm_on_the_cpu_is_pytorchs_op_with_the_ops_values(dtype, affine):
-    """Float32/float64 layer norm of plain CPU tensors runs PyTorch's native_layer_norm and its
-    autograd (no Python node): the op's reference and backward for these, so the same bits."""
-    torch.manual_seed(0)
-    x = torch.randn(6, 2, 40, dtype=dtype)
-    w = torch.rand(2, 40, dtype=dtype).add(0.5) if affine else None
-    b = torch.randn(2, 40, dtype=dtype) if affine else None
-    dy = torch.randn_like(x)
+# Tolerances of the float64 comparison below: one rounding to the dtype, with headroom.
+_LAYER_TOL = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
-    def run(function):
-        leaves = [leaf(t) for t in (x, w, b) if t is not None]
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("affine", [False, True], ids=["plain", "affine"])
+def test_layer_norm_on_the_cpu_is_pytorchs_op_with_the_ops_values(dtype, affine):
+    """Layer norm of plain CPU tensors runs PyTorch's native_layer_norm and its autograd (no Python
+    node) in float32/float64, and in float16/bfloat16 without weight and bias (given float32 ones
+    as the weight, as the op's reference does, so that the saved statistics are float32): the
+    op's reference and backward for these, so the same bits as the op. 16-bit layer norm with a
+    weight keeps the op's formula and node (its weight gradients summed in float32)."""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 2, 40, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    w = torch.rand(2, 40, dtype=torch.float64).add(0.5).to(dtype) if affine else None
+    b = torch.randn(2, 40, dtype=torch.float64).to(dtype) if affine else None
+    dy = torch.randn_like(x)
+    aten = dtype in (torch.float32, torch.float64) or not affine
+
+    def run(function, cast=None):
+        leaves = [leaf(t if cast is None else t.to(cast)) for t in (x, w, b) if t is not None]
         out = function(*leaves)
-        return out, [out, *torch.autograd.grad(out, leaves, dy)]
+        return out, [out, *torch.autograd.grad(out, leaves, dy if cast is None else dy.to(cast))]
 
     def via_functional(xi, wi=None, bi=None):
         if affine:
@@ -580,10 +588,26 @@ def test_float_layer_norm_on_the_cpu_is_pytorchs_op_with_the_ops_values(dtype, a
     def via_op(xi, wi=None, bi=None):
         return OPS.norm_forward(xi, wi, bi, [2, 40], 1e-5, False)[0]
 
-    out, got = run(via_functional)
-    assert out.grad_fn.name() == "NativeLayerNormBackward0"
+    def via_float64(xi, wi=None, bi=None):
+        return F.layer_norm(xi, (2, 40), wi, bi, 1e-5)
+
+    node = via_functional(*(leaf(t) for t in (x, w, b) if t is not None)).grad_fn
+    assert node.name() == ("NativeLayerNormBackward0" if aten else "NormForwardBackward")
+    if aten:  # mean and rstd as the backward gets them
+        stats = torch.float64 if dtype == torch.float64 else torch.float32
+        assert node._saved_result1.dtype == node._saved_result2.dtype == stats
+    _, got = run(via_functional)
     for g, want in zip(got, run(via_op)[1], strict=True):
         torch.testing.assert_close(g, want, rtol=0, atol=0)
+    tol = _LAYER_TOL[dtype]
+    for g, want in zip(got, run(via_float64, torch.float64)[1], strict=True):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    expected = r"norm_forward: input of shape \(6, 2, 40\) does not end with normalized_shape \(2, 41\)"
+    with pytest.raises(ValueError, match=expected):
+        AF.fused_layer_norm(x, (2, 41))
+    with pytest.raises(ValueError, match="norm_forward: bias given without weight"):
+        AF.fused_layer_norm_affine(x, None, torch.zeros(2, 40, dtype=dtype), (2, 40))
     expected = r"norm_forward: weight has shape \(40,\), expected normalized_shape \(2, 40\)"
     with pytest.raises(ValueError, match=expected):
         AF.fused_layer_norm_affine(x, torch.ones(40, dtype=dtype), None, (2, 40))

@@ -28,7 +28,10 @@ import torch
 from apex.core.library import plain_cpu
 from apex.normalization import _ops, _reference
 
-_ATEN_DTYPES = (torch.float32, torch.float64)  # layer norm whose CPU path is PyTorch's own op (_ops.aten_layer_norm)
+# Layer norm whose CPU path is PyTorch's own op (_ops.aten_layer_norm): float32/float64 with or
+# without weight and bias in the input's dtype, float16/bfloat16 without them.
+_ATEN_DTYPES = (torch.float32, torch.float64)
+_ATEN_PLAIN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def normalized_shape_tuple(normalized_shape) -> tuple:
@@ -70,9 +73,13 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
         )
         return out if residual is None else (out, residual_out)
     eager = input.is_cpu and plain_cpu(input, residual, weight, bias)  # the ops' reference, past the dispatcher
-    if eager and residual is None and not rms and not memory_efficient and input.dtype in _ATEN_DTYPES:
-        if (weight is None or weight.dtype == input.dtype) and not _reference._tiny(input, len(shape)):
-            return _ops.aten_layer_norm(input, weight, bias, shape, eps)
+    if eager and residual is None and not rms and not memory_efficient:
+        dtype = input.dtype
+        if weight is None and dtype in _ATEN_PLAIN_DTYPES or dtype in _ATEN_DTYPES and (
+            weight is None or weight.dtype == dtype
+        ):
+            if not _reference._tiny(input, len(shape)):
+                return _ops.aten_layer_norm(input, weight, bias, shape, eps)
     if residual is None:
         forward = _ops.eager_norm_forward if eager else _ops.norm_forward
         return forward(input, weight, bias, shape, eps, rms, memory_efficient, output_dtype)[0]
