@@ -89,6 +89,31 @@ def test_forward_unmasked_and_padding(device, dtype, sk):
         assert torch.all(y[0, :, min(1, sq - 1)] == 0), "a fully masked row gives 0"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sk", [17, 1000, 2048, 20000])
+@pytest.mark.parametrize("scale", [-0.7, 0.0, 1.0])
+def test_padding_mask_values_signs_and_dominant_masked_scores(device, dtype, sk, scale):
+    """Mask bytes of any nonzero value, negative and zero scales, and rows whose unmasked scores lie
+    near or below the masked score -10000 (masked elements then take the weight, as upstream's)."""
+    b, np_, sq = 2, 3, 5
+    x = torch.randn(b, np_, sq, sk, device=device).mul_(4)
+    x[:, :, 1] += -10000.0 / (scale if scale != 0.0 else 1.0)  # near the masked score (scale 1: equal)
+    x[:, :, 2] += -20000.0 / (scale if scale != 0.0 else 1.0)  # below it: masked elements dominate
+    x = x.to(dtype)
+    mask = torch.randint(0, 256, (b, 1, sq, sk), device=device, dtype=torch.uint8)
+    mask[torch.rand(b, 1, sq, sk, device=device) < 0.6] = 0
+    mask[0, 0, 3] = 0  # one row unmasked
+    mask[1, 0, 4] = 1 + torch.arange(sk, device=device).remainder(255).to(torch.uint8)  # fully masked
+    y = _softmax_ops.scaled_softmax_forward(x, mask, scale, False)
+    # float32 scores near -10000 carry half an ulp (5e-4) of absolute error, and exp turns that
+    # into a relative one: the float32 tolerance here is float16's.
+    expected = oracle_forward(x, mask, scale, False)
+    rtol = max(RTOL[dtype], RTOL[torch.float16])
+    torch.testing.assert_close(y.double(), expected, rtol=rtol, atol=rtol * 1e-3, msg=f"scale {scale}")
+    assert torch.all(y[1, :, 4] == 0), "a fully masked row gives 0"
+    assert y[:, :, 2].isfinite().all() and (y[:, :, 2] > 0).any(), "masked elements take the weight"
+
+
 def check_causal_forward(device, dtype, sk, batches):
     x = torch.randn(batches, sk, sk, device=device).mul_(4).to(dtype)
     # poison what a causal softmax must not read: the elements above the diagonal

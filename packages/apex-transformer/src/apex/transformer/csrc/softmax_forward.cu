@@ -31,7 +31,9 @@ struct ForwardParams {
   int64_t share;       // padding: the [sq, sk] matrices one mask matrix serves (np, or b * np for a
                        // mask of batch 1)
   bool heads_fastest;  // padding: take the rows heads fastest (locate_row), else in input order
-  float scale;         // scale * log2(e): scores are kept in base-2 units, for exp2
+  float scale;         // scale * log2(e): scores are kept in base-2 units, for exp2 (never 0 with a mask)
+  uint32_t sentinel;   // padding: what a masked element's bits become, the value whose score is -inf
+                       // (-inf for a positive scale, +inf for a negative one), twice for 16-bit types
   int group;           // threads per row
   int rows_per_block;  // in registers: block / group
   int64_t row_groups;  // in registers: ceil(rows / rows_per_block), the blocks' work items
@@ -70,18 +72,55 @@ struct alignas(sizeof(T) * V) RawVector {
   }
 };
 
-// V mask bytes (aligned to V), read as 32-bit words when V >= 4: byte j is tested in its word.
+// V mask bytes (aligned to V), read as 32-bit words when V >= 4.
 template <int V>
 struct alignas(V) MaskWords {
   std::conditional_t<(V >= 4), uint32_t, uint8_t> val[V >= 4 ? V / 4 : V];
-  __device__ __forceinline__ bool byte_set(int j) const {
-    if constexpr (V >= 4) {
-      return (val[j / 4] & (0xffu << (8 * (j % 4)))) != 0u;
-    } else {
-      return val[j] != 0;
-    }
-  }
 };
+
+// 0x80 in each nonzero byte of w, 0 in the others (no carry crosses a byte).
+__device__ __forceinline__ uint32_t nonzero_bytes(uint32_t w) {
+  return (((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u;
+}
+
+// Element j of a vector masked by its mask byte: its bits replaced by the sentinel (whose score is
+// -inf, so that it takes no part in the max, the sum or the output without a test an element);
+// returns how many elements were masked. 16-bit pairs take a PRMT (each half the sign of its flag
+// byte) and a LOP3 a word; float32 words a PRMT and a LOP3 each.
+template <typename T, int V>
+__device__ __forceinline__ int mask_out(RawVector<T, V>& raw, const MaskWords<V>& mask, uint32_t sentinel) {
+  using R = RawVector<T, V>;
+  if constexpr (V == 1) {
+    const bool m = mask.val[0] != 0;
+    if constexpr (R::kWords) {
+      if (m) raw.u[0] = sentinel;
+    } else {
+      if (m) raw.u[0] = T(static_cast<uint16_t>(sentinel), T::from_bits());
+    }
+    return m ? 1 : 0;
+  } else if constexpr (sizeof(T) == 2) {
+    static_assert(V == 8, "16-byte vectors of 16-bit elements");
+    int count = 0;
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {  // mask word w: elements 4w .. 4w + 3, raw words 2w, 2w + 1
+      const uint32_t nz = nonzero_bytes(mask.val[w]);
+      const uint32_t lo = __byte_perm(nz, 0u, 0x9988), hi = __byte_perm(nz, 0u, 0xbbaa);
+      raw.u[2 * w] = (raw.u[2 * w] & ~lo) | (sentinel & lo);
+      raw.u[2 * w + 1] = (raw.u[2 * w + 1] & ~hi) | (sentinel & hi);
+      count += __popc(nz);
+    }
+    return count;
+  } else {
+    static_assert(sizeof(T) == 4 && V == 4, "16-byte vectors of float32");
+    const uint32_t nz = nonzero_bytes(mask.val[0]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t lane = __byte_perm(nz, 0u, 0x8888 + 0x1111 * j);
+      raw.u[j] = (raw.u[j] & ~lane) | (sentinel & lane);
+    }
+    return __popc(nz);
+  }
+}
 
 // The input row of work item `item` (0 .. rows - 1) and, with padding, its mask row. Without a
 // mask the rows go in input order. With one (and rows of at least kHeadsFastestRowBytes), the items walk the p.share matrices that one mask
@@ -151,7 +190,14 @@ __device__ __forceinline__ void scores(float (&s)[V], const AlignedVector<T, V>&
 }
 
 // One row per group of p.group threads, held in registers: kVecs vectors of V elements a thread,
-// kept as loaded (16 registers for 32 bf16 elements) with a padding mask as one bit an element.
+// kept as loaded (16 registers for 32 bf16 elements). A padding mask is applied once, to the
+// loaded bits: masked elements become the sentinel (score -inf: no part in the max, the sum or the
+// output), and each thread adds its count of masked elements' terms, exp2(kMasked - m), to its sum
+// and kMasked to its max; a masked element's output, exp2(kMasked - M) / S, is 0 in float32 unless
+// every unmasked score of the row is within ~126 (base 2) of -10000 * log2(e), which the store
+// checks once a row (then it reads the mask again, from cache, to write it). Upstream's semantics exactly, without
+// a test an element in the three passes (the per-element tests made the padding kernel twice the
+// none kernel's instructions and held it at 78-80% of the copy rate).
 // One reduction: each thread's own max m_t and sum s_t = sum exp2(score - m_t), combined by
 // group_stats (the online-softmax rule, the padding flag in the same exchange); the scores are
 // recomputed from the loaded vectors for the sum and again for the store,
@@ -199,28 +245,24 @@ __global__ void __launch_bounds__(kMaxGroup, kForwardMinBlocks)
         if constexpr (kPadding) raw_mask[k] = *reinterpret_cast<const MaskWords<V>*>(mrow + k * offset);
       }
     }
-    // Padding: bit k * V + j set when element j of vector k is masked; `unmasked` when one of
-    // this thread's elements is not.
-    uint32_t masked = 0u;
+    // Padding: masked elements to the sentinel, n_masked of this thread's; `unmasked` when one of
+    // its elements is not.
+    int n_masked = 0;
     bool unmasked = false;
     if constexpr (kPadding) {
-      uint32_t held = 0u;  // the bits of the elements this thread holds
+      int n_held = 0;
 #pragma unroll
       for (int k = 0; k < kVecs; ++k) {
         if (k * stride < rem) {
-          held |= ((1u << V) - 1u) << (k * V);
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            if (raw_mask[k].byte_set(j)) masked |= 1u << (k * V + j);
-          }
+          n_held += V;
+          n_masked += mask_out(raw[k], raw_mask[k], p.sentinel);
         }
       }
-      unmasked = (held & ~masked) != 0u;
+      unmasked = n_masked < n_held;
     }
     // Whether element j of vector k takes part (causal: up to the diagonal; the others of a
     // vector that was read do).
     auto in_row = [&](int k, int j) { return !kCausal || k * stride + j < rem; };
-    auto is_masked = [&](int k, int j) { return kPadding && ((masked >> (k * V + j)) & 1u) != 0u; };
 
     // This thread's max score.
     float m = -INFINITY;
@@ -231,15 +273,15 @@ __global__ void __launch_bounds__(kMaxGroup, kForwardMinBlocks)
         raw[k].to_floats(v);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const float score = is_masked(k, j) ? kMasked : v[j] * scale;
-          if (in_row(k, j)) m = fmaxf(m, score);
+          if (in_row(k, j)) m = fmaxf(m, v[j] * scale);
         }
       }
     }
-    // exp2(score - base) of element j of vector k (v: its value); 0 when it takes no part.
+    if (kPadding && n_masked > 0) m = fmaxf(m, kMasked);
+    // exp2(score - base) of element j of vector k (v: its value); 0 when it takes no part (and for
+    // a masked element: its score is -inf).
     auto exp_shifted = [&](int k, int j, float v, float base) {
-      const float arg = is_masked(k, j) ? kMasked - base : fmaf(v, scale, -base);
-      return in_row(k, j) ? exp2f(arg) : 0.0f;
+      return in_row(k, j) ? exp2f(fmaf(v, scale, -base)) : 0.0f;
     };
     // This thread's sum of exp2(score - m); a -inf m (no element here) shifts by 0: every term is 0.
     float s = 0.0f;
@@ -256,12 +298,15 @@ __global__ void __launch_bounds__(kMaxGroup, kForwardMinBlocks)
         }
       }
       s = part[0] + part[1];
+      if (kPadding && n_masked > 0) s = fmaf(static_cast<float>(n_masked), exp2f(kMasked - base), s);
     }
     group_stats<kPadding>(m, s, unmasked, group, shared, parity);
     if (!active) continue;
     // m, s: the row's max and sum. A padding row with every element masked gives 0.
     const float row_max = m == -INFINITY ? 0.0f : m;
     const float inv = kPadding && !unmasked ? 0.0f : 1.0f / s;
+    // A masked element's output: 0 unless the row's unmasked scores all lie near kMasked.
+    const float masked_out = kPadding ? exp2f(kMasked - row_max) * inv : 0.0f;
     const int rem_out = static_cast<int>(p.sk) - first;  // columns to write from `first` on
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
@@ -277,6 +322,18 @@ __global__ void __launch_bounds__(kMaxGroup, kForwardMinBlocks)
           for (int j = 0; j < V; ++j) out[j] = 0.0f;
         }
         store_elements<V>(y + k * offset, out);
+      }
+    }
+    if (kPadding && masked_out != 0.0f) {
+      // The masked elements' nonzero output over the 0s just written (the same for the whole
+      // group; rare, so the mask is read again, from cache, and its row found from y's: no
+      // register holds either through the row).
+      const int64_t out_row = (y - p.output - first) / p.sk;
+      const uint8_t* mr = p.mask + (out_row / (p.share * p.sq) * p.sq + out_row % p.sq) * p.sk + first;
+      for (int k = 0; k < kVecs; ++k) {
+        for (int j = 0; j < V; ++j) {
+          if (k * stride + j < rem && mr[k * offset + j] != 0) y[k * offset + j] = static_cast<T>(masked_out);
+        }
       }
     }
   }
@@ -361,13 +418,31 @@ void launch_forward(const ForwardParams<T>& p, const Plan& plan) {
   }
 }
 
+// The bits whose score (value * scale) is -inf: -inf for a positive scale, +inf for a negative one;
+// a 16-bit pattern twice (a 32-bit word holds two elements).
+template <typename T>
+uint32_t sentinel_bits(bool negative_scale) {
+  if constexpr (std::is_same_v<T, float>) {
+    return negative_scale ? 0x7f800000u : 0xff800000u;
+  } else {
+    const uint32_t half = std::is_same_v<T, c10::BFloat16> ? (negative_scale ? 0x7f80u : 0xff80u)
+                                                           : (negative_scale ? 0x7c00u : 0xfc00u);
+    return half | (half << 16);
+  }
+}
+
 at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const std::optional<at::Tensor>& mask,
                                        double scale, bool causal) {
   const char* op = "scaled_softmax_forward";
   const at::Tensor* m = apex::optional_tensor(mask);
   check_forward(op, strided_input, m, causal);
   const c10::cuda::CUDAGuard device_guard(strided_input.device());
-  const at::Tensor input = strided_input.contiguous();  // itself when already contiguous
+  // A zero scale with a mask: the scores are x * 0 (0, or NaN for an infinite x), which x * 0
+  // with scale 1 gives again; the masked elements' sentinel needs a nonzero scale (it is the
+  // value whose score is -inf).
+  const bool zero_scale = m != nullptr && scale == 0.0;
+  const at::Tensor input = zero_scale ? strided_input.mul(0) : strided_input.contiguous();
+  if (zero_scale) scale = 1.0;
   at::Tensor output = at::empty(input.sizes(), input.options());
   if (input.numel() == 0) return output;
   const int64_t sk = input.size(-1);
@@ -389,6 +464,7 @@ at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const st
                         p.rows <= int64_t{UINT32_MAX};
     }
     p.scale = static_cast<float>(scale) * kLog2e;
+    p.sentinel = sentinel_bits<T>(p.scale < 0.0f);
     const bool aligned = apex::aligned16(p.input) && apex::aligned16(p.output) &&
                          (p.mask == nullptr || apex::aligned_to(p.mask, kWidth));
     const Plan pl = plan(sk, kWidth, aligned);
