@@ -78,15 +78,17 @@ struct alignas(V) MaskWords {
   std::conditional_t<(V >= 4), uint32_t, uint8_t> val[V >= 4 ? V / 4 : V];
 };
 
-// 0x80 in each nonzero byte of w, 0 in the others (no carry crosses a byte).
+// 0xff in each nonzero byte of w, 0 in the others (no carry crosses a byte: the flags 0x80 are
+// moved to bit 0 of their byte and multiplied by 0xff).
 __device__ __forceinline__ uint32_t nonzero_bytes(uint32_t w) {
-  return (((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u;
+  return (((((w & 0x7f7f7f7fu) + 0x7f7f7f7fu) | w) & 0x80808080u) >> 7) * 0xffu;
 }
 
 // Element j of a vector masked by its mask byte: its bits replaced by the sentinel (whose score is
 // -inf, so that it takes no part in the max, the sum or the output without a test an element);
-// returns how many elements were masked. 16-bit pairs take a PRMT (each half the sign of its flag
-// byte) and a LOP3 a word; float32 words a PRMT and a LOP3 each.
+// returns how many elements were masked. 16-bit pairs take a PRMT (each half its flag byte twice)
+// and a LOP3 a word; float32 words a PRMT and a LOP3 each. (__byte_perm has no sign-replicating
+// selectors: bit 3 of each selector nibble is dropped, hence flag bytes of 0xff.)
 template <typename T, int V>
 __device__ __forceinline__ int mask_out(RawVector<T, V>& raw, const MaskWords<V>& mask, uint32_t sentinel) {
   using R = RawVector<T, V>;
@@ -104,10 +106,10 @@ __device__ __forceinline__ int mask_out(RawVector<T, V>& raw, const MaskWords<V>
 #pragma unroll
     for (int w = 0; w < 2; ++w) {  // mask word w: elements 4w .. 4w + 3, raw words 2w, 2w + 1
       const uint32_t nz = nonzero_bytes(mask.val[w]);
-      const uint32_t lo = __byte_perm(nz, 0u, 0x9988), hi = __byte_perm(nz, 0u, 0xbbaa);
+      const uint32_t lo = __byte_perm(nz, 0u, 0x1100), hi = __byte_perm(nz, 0u, 0x3322);
       raw.u[2 * w] = (raw.u[2 * w] & ~lo) | (sentinel & lo);
       raw.u[2 * w + 1] = (raw.u[2 * w + 1] & ~hi) | (sentinel & hi);
-      count += __popc(nz);
+      count += __popc(nz) >> 3;
     }
     return count;
   } else {
@@ -115,10 +117,10 @@ __device__ __forceinline__ int mask_out(RawVector<T, V>& raw, const MaskWords<V>
     const uint32_t nz = nonzero_bytes(mask.val[0]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const uint32_t lane = __byte_perm(nz, 0u, 0x8888 + 0x1111 * j);
+      const uint32_t lane = __byte_perm(nz, 0u, 0x1111 * j);
       raw.u[j] = (raw.u[j] & ~lane) | (sentinel & lane);
     }
-    return __popc(nz);
+    return __popc(nz) >> 3;
   }
 }
 
