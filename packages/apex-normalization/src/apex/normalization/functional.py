@@ -75,9 +75,9 @@ def _norm(input, residual, weight, bias, normalized_shape, eps, rms, memory_effi
     eager = input.is_cpu and plain_cpu(input, residual, weight, bias)  # the ops' reference, past the dispatcher
     if eager and residual is None and not rms and not memory_efficient:
         dtype = input.dtype
-        if weight is None and dtype in _ATEN_PLAIN_DTYPES or dtype in _ATEN_DTYPES and (
-            weight is None or weight.dtype == dtype
-        ):
+        plain = weight is None and dtype in _ATEN_PLAIN_DTYPES  # no weight: 16-bit types too
+        same = dtype in _ATEN_DTYPES and (weight is None or weight.dtype == dtype)
+        if plain or same:
             if not _reference._tiny(input, len(shape)):
                 return _ops.aten_layer_norm(input, weight, bias, shape, eps)
     if residual is None:
