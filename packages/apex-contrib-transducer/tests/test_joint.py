@@ -53,9 +53,11 @@ def assert_rounded(actual, expected):
 
 
 def assert_sum_close(actual, expected, abs_sum):
-    """A float32-accumulated sum rounded to actual's dtype: the rounding, plus accumulation error."""
+    """A float32-accumulated sum rounded to actual's dtype: the rounding (half a subnormal's spacing
+    at the least: a sum of 1.49e-7 rounds to float16's 1.19e-7), plus accumulation error."""
     err = (actual.double() - expected).abs()
-    bound = 2 * eps(actual.dtype) * expected.abs() + 32 * eps(torch.float32) * abs_sum + 1e-30
+    info = torch.finfo(actual.dtype)
+    bound = 2 * info.eps * expected.abs() + 32 * eps(torch.float32) * abs_sum + 0.5 * info.tiny * info.eps
     assert bool((err <= bound).all()), f"max error {err.max().item()} beyond the bound"
 
 
@@ -435,6 +437,28 @@ def test_cuda_matches_the_cpu_reference_on_unaligned_inputs():
         out, mask = _ops.joint_forward(f.cuda(), g.cuda(), f_len.cuda(), g_len.cuda(), relu=relu)
         ref_out, ref_mask = _ops.joint_forward(f, g, f_len, g_len, relu=relu)
         assert torch.equal(out.cpu(), ref_out) and torch.equal(mask.cpu(), ref_mask)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_backward_one_tile_of_256_ts(packed, masked):
+    # T in (128, 256] with a grid of more blocks than SMs (two t tiles and their partial sums, the
+    # benchmark's plan), with lengths that cut t and u inside the tiles
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, T, U, H = sms // 8 + 1, 200, 6, 512  # fp16: 8 chunks of H a batch element
+    f_len, g_len = lengths(B, T, U, "cuda")
+    rows = valid(f_len, g_len, T, U)
+    offsets, n = packed_offsets(f_len, g_len) if packed else (None, 0)
+    grad_shape = (n, H) if packed else (B, T, U, H)
+    grad = random(grad_shape, torch.float16, "cuda")
+    mask = torch.randint(0, 2, grad_shape, dtype=torch.uint8, device="cuda") if masked else None
+    f_grad, g_grad = _ops.joint_backward(grad, mask, f_len, g_len, offsets, T, U, 1.25)
+    d = grad.double() * (mask.double() if masked else 1.0) * 1.25
+    full = torch.zeros(B, T, U, H, dtype=torch.float64, device="cuda")
+    full[rows] = d if packed else d[rows]
+    assert_sum_close(f_grad, full.sum(2), full.abs().sum(2))
+    assert_sum_close(g_grad, full.sum(1), full.abs().sum(1))
 
 
 @pytest.mark.gpu

@@ -4,11 +4,12 @@
 //
 // Both kernels give each block one batch element, a tile of t and a chunk of H: 8 lanes along H
 // (16-byte vectors) by 32 rows along t in the forward (256 threads), 32 or 64 rows in the backward.
-// The forward holds its f vectors in registers and streams over u, loading each g vector once for
-// its t's. The backward reads each gradient element once: a thread sums its t's over every u (f's
-// gradient, complete), and the sums over its t's per u are added across the block's rows (shuffles,
-// then shared memory) into g's gradient; with more than one t tile, into float32 partial sums that
-// a second kernel adds in tile order (deterministic, no atomics).
+// The forward holds its f vectors in registers and streams over u, reading g's vectors from shared
+// memory (staged a chunk of u's at a time). The backward reads each gradient element once: a
+// thread sums its t's over every u (f's gradient, complete), and the sums over its t's per u are
+// added across the block's rows (shuffles, then shared memory) into g's gradient; with more than
+// one t tile, into float32 partial sums that a second kernel adds in tile order (deterministic, no
+// atomics).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/ops/empty.h>
@@ -85,12 +86,18 @@ __device__ __forceinline__ Batch batch_of(const Layout& l, int64_t b) {
   return r;
 }
 
+// g's vectors of the block (its H chunk) are staged in shared memory kRows u's at a time, one
+// vector a thread, so the u loop reads them from shared memory: loaded from global memory at each
+// u (as first written), each g vector's latency stood between a thread's stores of one u and the
+// next, and the forward, a pure write stream, ran at 62% of the DRAM rate (ncu: 84% of the warps'
+// time waiting on those loads).
 template <typename T, int VW, bool kMasked>
-__global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks) joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g,
-                                                                 Layout l, bool relu, const int64_t* seed,
-                                                                 uint64_t threshold, double scale, T* __restrict__ out,
-                                                                 uint8_t* __restrict__ mask) {
+__global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks)
+    joint_forward_kernel(const T* __restrict__ f, const T* __restrict__ g, Layout l, bool relu,
+                         const int64_t* seed, uint64_t threshold, double scale, T* __restrict__ out,
+                         uint8_t* __restrict__ mask) {
   using A = acc_t<T>;
+  __shared__ Vec<T, VW> g_stage[kRows][kLanes];
   const int lane = threadIdx.x % kLanes;
   const int row = threadIdx.x / kLanes;
   const int64_t block = blockIdx.x;
@@ -98,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks) joi
   const int64_t tile = (block / l.h_chunks) % l.t_tiles;
   const Batch bt = batch_of(l, block / (l.h_chunks * l.t_tiles));
   const int64_t h0 = (hc * kLanes + lane) * VW;
-  if (h0 >= l.H) return;
+  const bool active = h0 < l.H;  // every thread stays for the block's barriers
   const bool packed = l.batch_offset != nullptr;
   const uint32_t key = (kMasked && seed != nullptr) ? dropout_key(*seed) : 0u;
 
@@ -114,48 +121,57 @@ __global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks) joi
 #pragma unroll
   for (int i = 0; i < kForwardTs; ++i) {
     const int64_t t = tile * (kForwardTs * kRows) + i * kRows + row;
-    if (t < bt.F) {
+    if (active && t < bt.F) {
       fv[i] = *reinterpret_cast<const Vec<T, VW>*>(f + (bt.b * l.T + t) * l.H + h0);
       f_valid |= 1u << i;
     }
     row0[i] = bt.base + t * bt.stride_t;
-    u_count[i] = t < t_end ? static_cast<int>(clamp64(l.rows - row0[i], 0, n_u)) : 0;
+    u_count[i] = active && t < t_end ? static_cast<int>(clamp64(l.rows - row0[i], 0, n_u)) : 0;
   }
-  for (int u = 0; u < n_u; ++u) {
-    A gv[VW];
-    if (u < bt.G) load_acc<VW>(gv, g + (bt.b * l.U + u) * l.H + h0);
+  for (int64_t u0 = 0; u0 < n_u; u0 += kRows) {  // (64-bit: u0 + kRows may pass 2^31)
+    const int n = n_u - u0 < kRows ? static_cast<int>(n_u - u0) : kRows;
+    __syncthreads();  // the previous chunk's reads are done
+    if (active && u0 + row < bt.G) {
+      g_stage[row][lane] = *reinterpret_cast<const Vec<T, VW>*>(g + (bt.b * l.U + u0 + row) * l.H + h0);
+    }
+    __syncthreads();
+    for (int k = 0; k < n; ++k) {
+      const int u = static_cast<int>(u0) + k;
+      Vec<T, VW> graw;
+      if (u < bt.G) graw = g_stage[k][lane];
 #pragma unroll
-    for (int i = 0; i < kForwardTs; ++i) {
-      if (u >= u_count[i]) continue;
-      const int64_t out_row = row0[i] + u;
-      const bool valid = ((f_valid >> i) & 1u) != 0u && u < bt.G;
-      A v[VW];
-      Vec<uint8_t, VW> m;
-      // The high word of the element index is the same across the vector (it starts at a multiple
-      // of VW, and 2^32 is one), so the inner hash is taken once.
-      const auto e0 = static_cast<uint64_t>(out_row * l.H + h0);
-      const uint32_t inner = (kMasked && seed != nullptr) ? mix32(static_cast<uint32_t>(e0 >> 32) ^ key) : 0u;
+      for (int i = 0; i < kForwardTs; ++i) {
+        if (u >= u_count[i]) continue;
+        const int64_t out_row = row0[i] + u;
+        const bool valid = ((f_valid >> i) & 1u) != 0u && u < bt.G;
+        A v[VW];
+        Vec<uint8_t, VW> m;
+        // The high word of the element index is the same across the vector (it starts at a
+        // multiple of VW, and 2^32 is one), so the inner hash is taken once.
+        const auto e0 = static_cast<uint64_t>(out_row * l.H + h0);
+        const uint32_t inner = (kMasked && seed != nullptr) ? mix32(static_cast<uint32_t>(e0 >> 32) ^ key) : 0u;
 #pragma unroll
-      for (int j = 0; j < VW; ++j) {
-        if (!valid) {
-          v[j] = A(-1);
-          m.v[j] = 0;
-          continue;
-        }
-        v[j] = static_cast<A>(fv[i].v[j]) + gv[j];
-        if constexpr (kMasked) {
-          bool keep = relu ? v[j] > A(0) : true;
-          if (seed != nullptr) {
-            const uint32_t r = mix32(static_cast<uint32_t>(e0 + j) ^ inner);
-            keep = keep && static_cast<uint64_t>(r) < threshold;
-            v[j] = v[j] * static_cast<A>(scale);
+        for (int j = 0; j < VW; ++j) {
+          if (!valid) {
+            v[j] = A(-1);
+            m.v[j] = 0;
+            continue;
           }
-          v[j] = keep ? v[j] : A(0);
-          m.v[j] = keep ? 1 : 0;
+          v[j] = static_cast<A>(fv[i].v[j]) + static_cast<A>(graw.v[j]);
+          if constexpr (kMasked) {
+            bool keep = relu ? v[j] > A(0) : true;
+            if (seed != nullptr) {
+              const uint32_t r = mix32(static_cast<uint32_t>(e0 + j) ^ inner);
+              keep = keep && static_cast<uint64_t>(r) < threshold;
+              v[j] = v[j] * static_cast<A>(scale);
+            }
+            v[j] = keep ? v[j] : A(0);
+            m.v[j] = keep ? 1 : 0;
+          }
         }
+        store_acc<VW>(out + out_row * l.H + h0, v);
+        if constexpr (kMasked) *reinterpret_cast<Vec<uint8_t, VW>*>(mask + out_row * l.H + h0) = m;
       }
-      store_acc<VW>(out + out_row * l.H + h0, v);
-      if constexpr (kMasked) *reinterpret_cast<Vec<uint8_t, VW>*>(mask + out_row * l.H + h0) = m;
     }
   }
 }
@@ -559,7 +575,8 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
   // The plan: 64 rows a block (a tile of 128 t's, 512 threads, two blocks an SM) unless every t
   // fits in 32 rows (T <= 64: 256 threads, so fewer rows sit idle). T > 128 takes several tiles and
   // the ordered sum of their float32 partial sums of g's gradient (for (32, 256, 64, 512) fp16:
-  // 8 MB written and read again beside the gradient's 537 MB).
+  // 8 MB written and read again beside the gradient's 537 MB). A 128-row tile (1024 threads, one
+  // tile for T <= 256) was tried: see benchmarks/NOTES.md.
   const int rows = T <= kBackwardTs * 32 ? 32 : 64;
   const int threads = kLanes * rows;
   l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);
