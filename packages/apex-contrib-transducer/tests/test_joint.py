@@ -442,7 +442,7 @@ def test_cuda_matches_the_cpu_reference_on_unaligned_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_backward_one_tile_of_256_ts(packed, masked):
+def test_backward_at_a_device_filling_grid(packed, masked):
     # T in (128, 256] with a grid of more blocks than SMs (two t tiles and their partial sums, the
     # benchmark's plan), with lengths that cut t and u inside the tiles
     sms = torch.cuda.get_device_properties(0).multi_processor_count

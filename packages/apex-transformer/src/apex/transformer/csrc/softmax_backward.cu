@@ -108,21 +108,6 @@ __global__ void __launch_bounds__(kMaxGroup)
   }
 }
 
-// V elements at p (aligned to them) in one access: 16-byte vectors as uint4 words (a plain
-// AlignedVector copy became four 4-byte loads (LDG.E) in this kernel with nvcc 13.0).
-template <typename T, int V>
-__device__ __forceinline__ AlignedVector<T, V> load_whole(const T* p) {
-  if constexpr (sizeof(AlignedVector<T, V>) == 16) {
-    const uint4 bits = *reinterpret_cast<const uint4*>(p);
-    AlignedVector<T, V> v;
-    static_assert(sizeof(v) == sizeof(bits));
-    memcpy(&v, &bits, sizeof(v));
-    return v;
-  } else {
-    return *reinterpret_cast<const AlignedVector<T, V>*>(p);
-  }
-}
-
 // One row per block of kMaxGroup threads, for rows longer than the registers hold: the dot
 // product in one pass, then a second pass over y and dy writes dx.
 template <typename T, int V, bool kCausal>
@@ -135,14 +120,17 @@ __global__ void __launch_bounds__(kStreamBlock) backward_streaming(const Backwar
     const T* dy = p.grad_output + row * p.sk;
     float dot = 0.0f;
     for (int64_t col = threadIdx.x * V; col < len; col += step) {
-      dot += dot_elements<kCausal, V>(load_whole<T, V>(y + col), load_whole<T, V>(dy + col), col, len);
+      const auto yv = apex::load_vector_whole<T, V>(y + col);
+      dot += dot_elements<kCausal, V>(yv, apex::load_vector_whole<T, V>(dy + col), col, len);
     }
     dot = group_reduce1(dot, blockDim.x, shared, Sum{});
     T* dx = p.grad_input + row * p.sk;
     for (int64_t col = threadIdx.x * V; col < p.sk; col += step) {
       float out[V];
       if (col < len) {
-        grad_elements<kCausal, V>(out, load_whole<T, V>(y + col), load_whole<T, V>(dy + col), col, len, dot, p.scale);
+        const auto yv = apex::load_vector_whole<T, V>(y + col);
+        const auto dyv = apex::load_vector_whole<T, V>(dy + col);
+        grad_elements<kCausal, V>(out, yv, dyv, col, len, dot, p.scale);
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) out[j] = 0.0f;

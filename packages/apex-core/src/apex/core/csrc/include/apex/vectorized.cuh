@@ -27,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace apex {
@@ -81,6 +82,24 @@ C10_HOST_DEVICE inline bool aligned16(const void* p) { return aligned_to(p, 16);
 template <typename T, int N>
 C10_DEVICE C10_ALWAYS_INLINE AlignedVector<T, N> load_vector(const T* p) {
   return *reinterpret_cast<const AlignedVector<T, N>*>(p);
+}
+
+// As load_vector, but whole 16-byte pieces read as uint4, a native vector type (one 16-byte load
+// each): in the softmax backward's streaming loop nvcc 13.0 compiled the plain AlignedVector copy
+// of a 16-byte vector into four 4-byte loads (LDG.E). A narrower vector is one load of its size.
+template <typename T, int N>
+C10_DEVICE C10_ALWAYS_INLINE AlignedVector<T, N> load_vector_whole(const T* p) {
+  if constexpr (sizeof(AlignedVector<T, N>) % 16 == 0) {
+    AlignedVector<T, N> v;
+#pragma unroll
+    for (int piece = 0; piece < static_cast<int>(sizeof(v) / 16); ++piece) {
+      const uint4 bits = reinterpret_cast<const uint4*>(p)[piece];
+      memcpy(reinterpret_cast<uint4*>(&v) + piece, &bits, sizeof(bits));
+    }
+    return v;
+  } else {
+    return load_vector<T, N>(p);
+  }
 }
 
 // As store_vector, but ordinary stores of uint4, a native vector type (one 16-byte store each)
