@@ -462,6 +462,21 @@ def test_backward_at_a_device_filling_grid(packed, masked):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_padded_forward_larger_than_the_l2_cache(dtype):
+    # the flat forward's streaming stores (an output larger than L2), many resident blocks striding
+    # over it, with lengths that leave padding in most batch elements
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    T, U, H = 128, 64, 512
+    B = 2 * l2 // (T * U * H * dtype.itemsize) + 1
+    f, g = random((B, T, H), dtype, "cuda"), random((B, U, H), dtype, "cuda")
+    f_len, g_len = lengths(B, T, U, "cuda")
+    out, _ = _ops.joint_forward(f, g, f_len, g_len)
+    expected = expected_sum(f, g).masked_fill(~valid(f_len, g_len, T, U)[..., None], -1.0)
+    assert_rounded(out, expected)
+
+
+@pytest.mark.gpu
 def test_runs_on_the_current_stream():
     B, T, U, H = 4, 256, 64, 256
     f_src = torch.randn(B, T, H, device="cuda", dtype=torch.float16)

@@ -2,14 +2,16 @@
 // sums of the output gradient over u (for f) and over t (for g). The math, the layouts and the
 // wording of the checks are in _reference.py / _ops.py.
 //
-// Both kernels give each block one batch element, a tile of t and a chunk of H: 8 lanes along H
-// (16-byte vectors) by 32 rows along t in the forward (256 threads), 32 or 64 rows in the backward.
-// The forward holds its f vectors in registers and streams over u, reading g's vectors from shared
-// memory (staged a chunk of u's at a time). The backward reads each gradient element once: a
-// thread sums its t's over every u (f's gradient, complete), and the sums over its t's per u are
-// added across the block's rows (shuffles, then shared memory) into g's gradient; with more than
-// one t tile, into float32 partial sums that a second kernel adds in tile order (deterministic, no
-// atomics).
+// The padded forward without ReLU or dropout writes the output as one flat array of vectors (the
+// grid's writes at a time one contiguous stretch), loading f's and g's vectors for each. The other
+// forwards and the backward give each block one batch element, a tile of t and a chunk of H: 8
+// lanes along H (16-byte vectors) by 32 rows along t in the forward (256 threads), 32 or 64 rows in
+// the backward. That forward holds its f vectors in registers and streams over u, reading g's
+// vectors from shared memory (staged a chunk of u's at a time). The backward reads each gradient
+// element once: a thread sums its t's over every u (f's gradient, complete), and the sums over its
+// t's per u are added across the block's rows (shuffles, then shared memory) into g's gradient;
+// with more than one t tile, into float32 partial sums that a second kernel adds in tile order
+// (deterministic, no atomics).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <ATen/ops/empty.h>
@@ -17,6 +19,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -171,6 +174,71 @@ __global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks)
         }
         store_acc<VW>(out + out_row * l.H + h0, v);
         if constexpr (kMasked) *reinterpret_cast<Vec<uint8_t, VW>*>(mask + out_row * l.H + h0) = m;
+      }
+    }
+  }
+}
+
+// Division of 32-bit indices below 2^31 by a divisor fixed at launch, as a multiply and a shift
+// (n / d = (umulhi(n, m) + n) >> s with s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1): the
+// flat forward takes three divisions a vector, which as integer divisions cost more instructions
+// than the rest of its work.
+struct FastDiv {
+  uint32_t d, m, s;
+  explicit FastDiv(uint32_t divisor) : d(divisor), m(0), s(0) {
+    while ((uint64_t{1} << s) < divisor) ++s;
+    m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s) - divisor)) / divisor + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
+};
+
+// The padded forward without ReLU or dropout over the output as one flat array of vectors: block
+// i writes vectors [256 K i, 256 K (i + 1)) of each grid step, so what the grid writes at a time is
+// one contiguous stretch. The tiled kernel above (128 t's x 8 lanes a block, each thread over u)
+// writes ~4000 separate 1 KB rows at once across the device; on the H200 a pure write stream in
+// that pattern ran at 3.5 TB/s against 4.2 TB/s for a contiguous one (benchmarks/NOTES.md). Each
+// vector's f and g vectors are loaded (L1 and L2 hits: f and g are 1/64 of the output at the bench
+// shape), K vectors a thread in flight.
+template <typename T, int VW, bool kStreaming>
+__global__ void __launch_bounds__(256) joint_forward_flat_kernel(const T* __restrict__ f, const T* __restrict__ g,
+                                                                   const int* __restrict__ f_len,
+                                                                   const int* __restrict__ g_len, FastDiv per_row,
+                                                                   FastDiv per_u, FastDiv per_t, uint32_t n_vec,
+                                                                   T* __restrict__ out) {
+  using A = acc_t<T>;
+  constexpr int K = 4;
+  const uint32_t hv = per_row.d, U = per_u.d, T_ = per_t.d;
+  const int64_t H = int64_t{hv} * VW;
+  for (uint32_t first = blockIdx.x * (256u * K) + threadIdx.x; first < n_vec; first += gridDim.x * (256u * K)) {
+    Vec<T, VW> fv[K], gv[K];
+    bool valid[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t v = min(first + k * 256u, n_vec - 1);  // past the end: the last vector again, not stored
+      const uint32_t row = per_row.div(v);
+      const uint32_t hh = v - row * hv;
+      const uint32_t bt = per_u.div(row);
+      const uint32_t u = row - bt * U;
+      const uint32_t b = per_t.div(bt);
+      const uint32_t t = bt - b * T_;
+      valid[k] = static_cast<int64_t>(t) < f_len[b] && static_cast<int64_t>(u) < g_len[b];
+      fv[k] = *reinterpret_cast<const Vec<T, VW>*>(f + bt * H + hh * VW);
+      gv[k] = *reinterpret_cast<const Vec<T, VW>*>(g + (int64_t{b} * U + u) * H + hh * VW);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const uint32_t v = first + k * 256u;
+      A o[VW];
+#pragma unroll
+      for (int j = 0; j < VW; ++j) o[j] = valid[k] ? static_cast<A>(fv[k].v[j]) + static_cast<A>(gv[k].v[j]) : A(-1);
+      if (v >= n_vec) continue;
+      if constexpr (kStreaming && sizeof(T) * VW % 16 == 0) {
+        apex::AlignedVector<T, VW> w;
+#pragma unroll
+        for (int j = 0; j < VW; ++j) w.val[j] = static_cast<T>(o[j]);
+        apex::store_vector_streaming(out + int64_t{v} * VW, w);
+      } else {
+        store_acc<VW>(out + int64_t{v} * VW, o);
       }
     }
   }
@@ -504,6 +572,23 @@ std::tuple<at::Tensor, at::Tensor> joint_forward_cuda(const at::Tensor& f, const
     auto launch = [&](auto width, auto masked_tag) {
       constexpr int VW = decltype(width)::value;
       constexpr bool M = decltype(masked_tag)::value;
+      const int64_t n_vec = out.numel() / VW;
+      if (!M && !packed && n_vec < (int64_t{1} << 31)) {
+        // One wave of resident blocks, each striding over the output; streaming stores when the
+        // output is larger than the L2 cache (its lines would only push f's and g's out).
+        const bool streaming = out.nbytes() > static_cast<size_t>(at::cuda::getCurrentDeviceProperties()->l2CacheSize);
+        const auto kernel = streaming ? joint_forward_flat_kernel<T_, VW, true> : joint_forward_flat_kernel<T_, VW, false>;
+        int resident = 0;
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, 256, 0));
+        const int64_t blocks = std::min<int64_t>(apex::ceil_div(n_vec, int64_t{256} * 4),
+                                                 int64_t{apex::sm_count()} * std::max(resident, 1));
+        kernel<<<static_cast<unsigned int>(blocks), 256, 0, stream>>>(
+            f.const_data_ptr<T_>(), g.const_data_ptr<T_>(), l.f_len, l.g_len, FastDiv(static_cast<uint32_t>(H / VW)),
+            FastDiv(static_cast<uint32_t>(U)), FastDiv(static_cast<uint32_t>(T)), static_cast<uint32_t>(n_vec),
+            out.mutable_data_ptr<T_>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
       l.h_chunks = apex::ceil_div(H, kLanes * VW);
       const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
       joint_forward_kernel<T_, VW, M><<<blocks, kThreads, 0, stream>>>(
