@@ -241,49 +241,35 @@ def fast_norm_backward(
     return grad_input, grad_weight, grad_bias
 
 
-# float32 elements converted at a time: 512 KiB a buffer, so the two converted buffers are still in a
-# core's L2 cache when PyTorch's kernel reads them. At 1 << 20 (4 MiB, read back from L3 or memory)
-# bf16 layer+affine 2048x1024 forward+backward took 1.42-1.95x PyTorch's time on the 2-core dev
-# machine, at 1 << 17 1.28-1.32 (interleaved A/B, 10 rounds each); 1 << 16 and smaller lose to the
-# Python loop (1.5-2.4), and the large shapes (8192x4096, 65536x512) are the same at both sizes.
-_CHUNK_ELEMENTS = 1 << 17
+# float32 elements converted at a time: 1 MiB a buffer, so the two converted buffers are still in a
+# core's L2 cache when PyTorch's kernel reads them. On the 2-core dev machine (interleaved A/B in one
+# process, bf16 rows of 1024): 1 << 20 (4 MiB, read back from L3 or memory) took 1.42-1.95x
+# PyTorch's whole forward+backward at 2048 rows; with the chunk loop's per-chunk work down to two
+# copies, the kernel and two adds, 1 << 18 is 4-10% faster than 1 << 17 and 1 << 19 at 2048, 16384
+# and 65536 rows (8192 x 4096 too), and 1 << 16 loses to the loop's host time.
+_CHUNK_ELEMENTS = 1 << 18
 
 
 def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
     """``native_layer_norm_backward``. For weight gradients of float16/bfloat16 rows, PyTorch's
     reduced-precision CPU kernel sums the weight gradient inexactly (off by 57 at a magnitude of
-    about 300 for 16384 bf16 rows of 1024, with float32 or bfloat16 weights): its input gradient
-    is kept, and the weight and bias gradients come from its float32 kernel on the rows converted
-    to float32 a chunk at a time. With a float32 grad_output, that kernel gives every gradient
-    (converting the whole tensors first would cost two more passes over memory)."""
+    about 300 for 16384 bf16 rows of 1024, with float32 or bfloat16 weights; 0.5 of 158 on 16
+    rows): its input gradient is kept, and the weight and bias gradients come from its float32
+    kernel on the rows converted to float32 a chunk at a time. With a float32 grad_output, that
+    kernel gives every gradient (converting the whole tensors first would cost two more passes over
+    memory)."""
     direct = x.dtype in (torch.float32, torch.float64) or (dy.dtype == x.dtype and not (mask[1] or mask[2]))
     if direct:
         return torch.ops.aten.native_layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask)
-    ndim = len(shape)
     hidden = math.prod(shape)
     x2, dy2 = x.reshape(-1, hidden), dy.reshape(-1, hidden)
-    mean2, rstd2 = mean.reshape(-1, 1), rstd.reshape(-1, 1)
-    grad_weight = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[1] else None
-    grad_bias = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[2] else None
+    rows = x2.shape[0]
     step = max(1, _CHUNK_ELEMENTS // hidden)
-    stat_shape = [1] * ndim
-    d_buffer = torch.empty(min(step, x2.shape[0]), hidden, dtype=torch.float32, device=x.device)
+    stat_shape = [-1] + [1] * len(shape)
+    # two float32 buffers reused by every chunk (a fresh 4 MiB tensor per chunk costs more in page
+    # faults than converting into it does), as [rows, *shape] views for the last chunk and the others
+    d_buffer = torch.empty(min(step, rows), *shape, dtype=torch.float32, device=x.device)
     x_buffer = torch.empty_like(d_buffer)
-
-    def chunk(rows, count, chunk_mask):
-        """PyTorch's float32 kernel on a chunk of rows converted into the two reused buffers (a
-        fresh 4 MiB tensor per chunk costs more in page faults than converting into it does)."""
-        return torch.ops.aten.native_layer_norm_backward(
-            d_buffer[:count].copy_(dy2[rows]).view(-1, *shape),
-            x_buffer[:count].copy_(x2[rows]).view(-1, *shape),
-            shape,
-            mean2[rows].reshape(-1, *stat_shape),
-            rstd2[rows].reshape(-1, *stat_shape),
-            weight,
-            bias,
-            chunk_mask,
-        )
-
     if dy.dtype == x.dtype:
         # The input gradient from PyTorch's 16-bit kernel (its row sums are exact enough); the
         # weight gradients from its float32 kernel told to skip the input gradient, a chunk at a
@@ -292,22 +278,45 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
         grad_input = torch.ops.aten.native_layer_norm_backward(
             dy, x, shape, mean, rstd, weight, bias, [True, False, False]
         )[0]
-        grad_mask = [False, mask[1], mask[2]]
-        grad_input_rows = None
+        chunk_mask = [False, mask[1], mask[2]]
+        input_chunks = None
     else:
-        grad_mask = mask
-        grad_input_rows = torch.empty_like(x2)
-    for start in range(0, x2.shape[0], step):
-        rows = slice(start, start + step)
-        gi, gw, gb = chunk(rows, min(step, x2.shape[0] - start), grad_mask)
-        if grad_input_rows is not None:
-            grad_input_rows[rows] = gi.view(-1, hidden)
-        if gw is not None:
-            grad_weight += gw
-        if gb is not None:
-            grad_bias += gb
-    if grad_input_rows is not None:
-        grad_input = grad_input_rows.view(x.shape)
+        grad_input = torch.empty_like(x2) if mask[0] else None
+        chunk_mask = mask
+        input_chunks = grad_input.split(step) if mask[0] else None
+    grad_weight = grad_bias = None
+    # The chunks' views made by four splits, not by slicing in the loop: the loop's work per chunk
+    # is then two copies, PyTorch's kernel and two adds (its host time showed at 16 chunks of 128 rows).
+    chunks = zip(
+        dy2.split(step), x2.split(step), mean.reshape(stat_shape).split(step), rstd.reshape(stat_shape).split(step)
+    )
+    for i, (dy_rows, x_rows, mean_rows, rstd_rows) in enumerate(chunks):
+        count = dy_rows.shape[0]
+        d_view, x_view = (d_buffer, x_buffer) if count == d_buffer.shape[0] else (d_buffer[:count], x_buffer[:count])
+        gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            d_view.view(count, hidden).copy_(dy_rows).view(d_view.shape),
+            x_view.view(count, hidden).copy_(x_rows).view(x_view.shape),
+            shape,
+            mean_rows,
+            rstd_rows,
+            weight,
+            bias,
+            chunk_mask,
+        )
+        if input_chunks is not None:
+            input_chunks[i].copy_(gi.view(count, hidden))
+        if i == 0:
+            grad_weight, grad_bias = gw, gb
+        else:
+            if gw is not None:
+                grad_weight += gw
+            if gb is not None:
+                grad_bias += gb
+    if input_chunks is not None:
+        grad_input = grad_input.view(x.shape)
+    if rows == 0:
+        grad_weight = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[1] else None
+        grad_bias = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[2] else None
     return grad_input, grad_weight, grad_bias
 
 
