@@ -57,33 +57,33 @@ C10_DEVICE C10_ALWAYS_INLINE int misalignment(const T* p) {
 
 // Stores v to global memory with 16-byte instructions. A plain struct assignment is not enough:
 // nvcc 13.0 split it into 2-, 4- and 8-byte stores inside the loops below, which halved the
-// bandwidth of an fp16 scale kernel on an H200.
-template <typename T, int N>
+// bandwidth of an fp16 scale kernel on an H200. kStreaming adds the streaming cache hint
+// (st.global.cs: evict first), for a write stream larger than the L2 cache whose lines nobody reads
+// back from L2, so that they do not push out lines that are read again (on the H200 a 537 MB fp16
+// stream that also reads two small cached tensors ran at 3.5 TB/s with plain stores and 4.0 TB/s
+// with these): store_vector_streaming.
+template <typename T, int N, bool kStreaming = false>
 C10_DEVICE C10_ALWAYS_INLINE void store_vector(T* dst, const AlignedVector<T, N>& v) {
   static_assert(sizeof(v) % 16 == 0, "store_vector writes whole 16-byte pieces");
 #pragma unroll
   for (int p = 0; p < static_cast<int>(sizeof(v) / 16); ++p) {
     const uint4 bits = reinterpret_cast<const uint4*>(&v)[p];
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<uint4*>(dst) + p), "r"(bits.x),
-                 "r"(bits.y), "r"(bits.z), "r"(bits.w)
-                 : "memory");
+    uint4* const at = reinterpret_cast<uint4*>(dst) + p;
+    if constexpr (kStreaming) {
+      asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(bits.x), "r"(bits.y), "r"(bits.z),
+                   "r"(bits.w)
+                   : "memory");
+    } else {
+      asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(at), "r"(bits.x), "r"(bits.y), "r"(bits.z),
+                   "r"(bits.w)
+                   : "memory");
+    }
   }
 }
 
-// As store_vector, with the streaming cache hint (st.global.cs: evict first): for a write stream
-// larger than the L2 cache, whose lines nobody reads back from L2, so that they do not push out
-// lines that are read again (on the H200 a 537 MB fp16 stream that also reads two small cached
-// tensors ran at 3.5 TB/s with plain stores and 4.0 TB/s with these).
 template <typename T, int N>
 C10_DEVICE C10_ALWAYS_INLINE void store_vector_streaming(T* dst, const AlignedVector<T, N>& v) {
-  static_assert(sizeof(v) % 16 == 0, "store_vector_streaming writes whole 16-byte pieces");
-#pragma unroll
-  for (int p = 0; p < static_cast<int>(sizeof(v) / 16); ++p) {
-    const uint4 bits = reinterpret_cast<const uint4*>(&v)[p];
-    asm volatile("st.global.cs.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<uint4*>(dst) + p),
-                 "r"(bits.x), "r"(bits.y), "r"(bits.z), "r"(bits.w)
-                 : "memory");
-  }
+  store_vector<T, N, true>(dst, v);
 }
 
 // Whether p is a multiple of `bytes`; null is (an absent tensor does not stop a vectorized launch).
