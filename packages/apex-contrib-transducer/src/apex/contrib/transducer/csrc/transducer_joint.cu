@@ -231,15 +231,7 @@ __global__ void __launch_bounds__(256) joint_forward_flat_kernel(const T* __rest
       A o[VW];
 #pragma unroll
       for (int j = 0; j < VW; ++j) o[j] = valid[k] ? static_cast<A>(fv[k].v[j]) + static_cast<A>(gv[k].v[j]) : A(-1);
-      if (v >= n_vec) continue;
-      if constexpr (kStreaming && sizeof(T) * VW % 16 == 0) {
-        apex::AlignedVector<T, VW> w;
-#pragma unroll
-        for (int j = 0; j < VW; ++j) w.val[j] = static_cast<T>(o[j]);
-        apex::store_vector_streaming(out + int64_t{v} * VW, w);
-      } else {
-        store_acc<VW>(out + int64_t{v} * VW, o);
-      }
+      if (v < n_vec) store_acc<VW, kStreaming>(out + int64_t{v} * VW, o);
     }
   }
 }

@@ -61,7 +61,7 @@ C10_DEVICE C10_ALWAYS_INLINE int misalignment(const T* p) {
 // (st.global.cs: evict first), for a write stream larger than the L2 cache whose lines nobody reads
 // back from L2, so that they do not push out lines that are read again (on the H200 a 537 MB fp16
 // stream that also reads two small cached tensors ran at 3.5 TB/s with plain stores and 4.0 TB/s
-// with these): store_vector_streaming.
+// with these).
 template <typename T, int N, bool kStreaming = false>
 C10_DEVICE C10_ALWAYS_INLINE void store_vector(T* dst, const AlignedVector<T, N>& v) {
   static_assert(sizeof(v) % 16 == 0, "store_vector writes whole 16-byte pieces");
@@ -79,11 +79,6 @@ C10_DEVICE C10_ALWAYS_INLINE void store_vector(T* dst, const AlignedVector<T, N>
                    : "memory");
     }
   }
-}
-
-template <typename T, int N>
-C10_DEVICE C10_ALWAYS_INLINE void store_vector_streaming(T* dst, const AlignedVector<T, N>& v) {
-  store_vector<T, N, true>(dst, v);
 }
 
 // Whether p is a multiple of `bytes`; null is (an absent tensor does not stop a vectorized launch).
