@@ -442,11 +442,13 @@ def test_cuda_matches_the_cpu_reference_on_unaligned_inputs():
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
-def test_backward_at_a_device_filling_grid(packed, masked):
-    # T in (128, 256] with a grid of more blocks than SMs (two t tiles and their partial sums, the
-    # benchmark's plan), with lengths that cut t and u inside the tiles
+@pytest.mark.parametrize("one_tile", [False, True])
+def test_backward_at_a_device_filling_grid(packed, masked, one_tile):
+    # T in (128, 256] with a grid of more blocks than SMs, with lengths that cut t and u inside the
+    # tiles: a batch element and H chunk a block fill every SM (one 256-t tile of 1024 threads, the
+    # benchmark's plan), or not quite (two 128-t tiles and their partial sums)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B, T, U, H = sms // 8 + 1, 200, 6, 512  # fp16: 8 chunks of H a batch element
+    B, T, U, H = sms // 8 + (1 if one_tile else -1), 200, 6, 512  # fp16: 8 chunks of H a batch element
     f_len, g_len = lengths(B, T, U, "cuda")
     rows = valid(f_len, g_len, T, U)
     offsets, n = packed_offsets(f_len, g_len) if packed else (None, 0)

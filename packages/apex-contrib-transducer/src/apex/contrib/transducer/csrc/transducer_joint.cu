@@ -5,8 +5,8 @@
 // The padded forward without ReLU or dropout writes the output as one flat array of vectors (the
 // grid's writes at a time one contiguous stretch), loading f's and g's vectors for each. The other
 // forwards and the backward give each block one batch element, a tile of t and a chunk of H: 8
-// lanes along H (16-byte vectors) by 32 rows along t in the forward (256 threads), 32 or 64 rows in
-// the backward. That forward holds its f vectors in registers and streams over u, reading g's
+// lanes along H (16-byte vectors) by 32 rows along t in the forward (256 threads), 32, 64 or 128
+// rows in the backward. That forward holds its f vectors in registers and streams over u, reading g's
 // vectors from shared memory (staged a chunk of u's at a time). The backward reads each gradient
 // element once: a thread sums its t's over every u (f's gradient, complete), and the sums over its
 // t's per u are added across the block's rows (shuffles, then shared memory) into g's gradient;
@@ -42,7 +42,6 @@ constexpr int kForwardTs = 4;             // t's per thread in the forward
 constexpr int kForwardMinBlocks = 4;
 constexpr int kBackwardTs = 2;            // t's per thread in the backward
 constexpr int kBackwardUs = 2;            // u's per step of the backward (loads in flight: Ts x Us)
-constexpr int kBackwardMaxThreads = 512;  // the backward's block: 8 lanes by 32 or 64 rows
 constexpr int kUChunk = 8;                // u's per shared-memory buffer in the backward (Us divides it)
 static_assert(kUChunk % kBackwardUs == 0);
 
@@ -313,18 +312,19 @@ __device__ __forceinline__ bool warp_rows_place(int& offset) {
   }
 }
 
-// The backward's block: 8 lanes along H by `rows` (blockDim.x / 8: 32 or 64) rows along t; a thread
-// sums kBackwardTs t's (rows apart) over kBackwardUs u's a step, so a t tile is kBackwardTs * rows
-// t's and a thread has kBackwardTs * kBackwardUs vector loads in flight. Registers are bounded for
-// two 512-thread (four 256-thread) blocks an SM: the f accumulators (Ts x VW) are what registers
-// cost, and more u's a step (not more t's) buy loads in flight without more of them. The loads
+// The backward's block: 8 lanes along H by `rows` (blockDim.x / 8: 32, 64 or 128) rows along t; a
+// thread sums kBackwardTs t's (rows apart) over kBackwardUs u's a step, so a t tile is kBackwardTs *
+// rows t's and a thread has kBackwardTs * kBackwardUs vector loads in flight. Registers are bounded
+// for 1024 threads an SM (two 512-thread blocks, or one of 1024 for 128 rows): the f accumulators
+// (Ts x VW) are what registers cost, and more u's a step (not more t's) buy loads in flight without
+// more of them. The loads
 // run one step ahead of the sums (software pipelined), so they stay in flight across the shuffles,
 // the barrier and the block's sums of a chunk. g's per-u sums of a warp (its four rows summed by
 // sum_warp_rows) go to shared memory, kUChunk u's at a time, double buffered: after the one barrier
 // a chunk the block adds the warps' sums (in warp order) while the next chunk fills the other
 // buffer; the barrier after that chunk orders the buffer's reuse.
-template <typename T, int VW, bool kMasked>
-__global__ void __launch_bounds__(kBackwardMaxThreads, 2)
+template <typename T, int VW, bool kMasked, int kMaxThreads>
+__global__ void __launch_bounds__(kMaxThreads, 1024 / kMaxThreads)
     joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, double scale,
                           T* __restrict__ f_grad, T* __restrict__ g_grad, acc_t<T>* __restrict__ g_partial) {
   using A = acc_t<T>;
@@ -649,21 +649,10 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
            packed ? grad.size(0) : B * T * U,
            0,
            0};
-  // The plan: 64 rows a block (a tile of 128 t's, 512 threads, two blocks an SM) unless every t
-  // fits in 32 rows (T <= 64: 256 threads, so fewer rows sit idle). T > 128 takes several tiles and
-  // the ordered sum of their float32 partial sums of g's gradient (for (32, 256, 64, 512) fp16:
-  // 8 MB written and read again beside the gradient's 537 MB). A 128-row tile (1024 threads, one
-  // tile for T <= 256) was tried: see benchmarks/NOTES.md.
-  const int rows = T <= kBackwardTs * 32 ? 32 : 64;
-  const int threads = kLanes * rows;
-  l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);
   const auto stream = at::cuda::getCurrentCUDAStream();
   dispatch(grad.scalar_type(), op, "grad", [&](auto tag) {
     using T_ = typename decltype(tag)::type;
     using A = acc_t<T_>;
-    at::Tensor partial;
-    if (l.t_tiles > 1) partial = at::empty({l.t_tiles, B, U, H}, grad.options().dtype(compute_dtype(grad.scalar_type())));
-    A* partial_ptr = l.t_tiles > 1 ? partial.mutable_data_ptr<A>() : nullptr;
     const uint8_t* mask_ptr = mask.has_value() ? mask->const_data_ptr<uint8_t>() : nullptr;
     const int vw = vector_width<T_>(H, {grad.const_data_ptr(), mask_ptr, f_grad.const_data_ptr()});
     const bool mask_aligned = mask_ptr == nullptr || apex::aligned_to(mask_ptr, 16 / sizeof(T_));
@@ -671,14 +660,33 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       constexpr int VW = decltype(width)::value;
       constexpr bool M = decltype(masked_tag)::value;
       l.h_chunks = apex::ceil_div(H, kLanes * VW);
+      // The plan: 64 rows a block (a tile of 128 t's, 512 threads, two blocks an SM) unless every t
+      // fits in 32 rows (T <= 64: 256 threads, so fewer rows sit idle), or in 128 rows (T <= 256:
+      // 1024 threads) with a block a batch element and H chunk still filling every SM: one tile,
+      // so no partial sums (at (32, 256, 64, 512) fp16 the backward 0.169 -> 0.159 ms; on fewer
+      // blocks than SMs the 64-row plan's two tiles are faster, see benchmarks/NOTES.md). Several
+      // tiles add their float32 partial sums of g's gradient in tile order (a second kernel).
+      const bool one_tile = T > kBackwardTs * 64 && T <= kBackwardTs * 128 && B * l.h_chunks >= apex::sm_count();
+      const int rows = T <= kBackwardTs * 32 ? 32 : one_tile ? 128 : 64;
+      const int threads = kLanes * rows;
+      l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);
+      at::Tensor partial;
+      if (l.t_tiles > 1) partial = at::empty({l.t_tiles, B, U, H}, grad.options().dtype(compute_dtype(grad.scalar_type())));
+      A* partial_ptr = l.t_tiles > 1 ? partial.mutable_data_ptr<A>() : nullptr;
       const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
       const size_t smem = size_t{2} * kUChunk * (threads / 32) * (kLanes * VW) * sizeof(A);
-      const auto kernel = joint_backward_kernel<T_, VW, M>;
+      const auto kernel = one_tile ? joint_backward_kernel<T_, VW, M, 1024> : joint_backward_kernel<T_, VW, M, 512>;
       apex::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, true);
       kernel<<<blocks, threads, smem, stream>>>(
           grad.const_data_ptr<T_>(), mask_ptr, l, scale, f_grad.mutable_data_ptr<T_>(),
           g_grad.mutable_data_ptr<T_>(), partial_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (partial_ptr != nullptr) {
+        const int64_t n = B * U * H;
+        const auto sum_blocks = static_cast<unsigned int>(std::min<int64_t>(apex::ceil_div(n, 256), 4 * 1024));
+        sum_partials_kernel<T_><<<sum_blocks, 256, 0, stream>>>(partial_ptr, l.t_tiles, n, g_grad.mutable_data_ptr<T_>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     };
     constexpr int kWide = 16 / sizeof(T_);
     const bool wide = vw == kWide && mask_aligned;
@@ -688,12 +696,6 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
     } else {
       if (wide) launch(std::integral_constant<int, kWide>{}, std::false_type{});
       else launch(std::integral_constant<int, 1>{}, std::false_type{});
-    }
-    if (partial_ptr != nullptr) {
-      const int64_t n = B * U * H;
-      const auto blocks = static_cast<unsigned int>(std::min<int64_t>(apex::ceil_div(n, 256), 4 * 1024));
-      sum_partials_kernel<T_><<<blocks, 256, 0, stream>>>(partial_ptr, l.t_tiles, n, g_grad.mutable_data_ptr<T_>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
   return {f_grad, g_grad};
