@@ -6,14 +6,17 @@ The model is a few pre-norm transformer blocks (causal self-attention through
 stands in where they do not, so the script runs with apex-core alone and picks up more
 fused kernels as packages are installed:
 
-- gradient-norm clipping: apex-core's multi-tensor ops, without a host sync;
+- loss: ``apex.contrib.xentropy.SoftmaxCrossEntropyLoss`` (float32 losses straight from 16-bit
+  logits, no float32 copy of them) if installed, else ``F.cross_entropy`` on float32 logits;
+- gradient-norm clipping: ``apex.contrib.clip_grad.clip_grad_norm_`` (apex-core's multi-tensor
+  ops, no host sync) if installed, else ``torch.nn.utils.clip_grad_norm_(foreach=True)``;
 - optimizer: ``apex.optimizers.FusedAdam`` if installed, else ``torch.optim.AdamW``;
 - norm layer: ``apex.normalization.FusedLayerNorm`` if installed, else ``torch.nn.LayerNorm``;
 - mixed precision: ``apex.amp`` at ``--opt-level`` (O2 by default on a GPU) if installed, else
   ``torch.autocast`` (``--precision``).
 
 ``--stack native`` trains the same model with PyTorch's pieces only, for comparison:
-``torch.nn.utils.clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``,
+``F.cross_entropy``, ``torch.nn.utils.clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``,
 ``torch.nn.LayerNorm`` and ``torch.autocast`` (``--precision``). ``--stack apex`` (the default) is
 the list above.
 
@@ -47,7 +50,6 @@ import os
 import socket
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +58,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import apex.core
-from apex.core import amp_C
-from apex.multi_tensor_apply import multi_tensor_applier
 
 DEFAULT_CORPUS = Path(__file__).resolve().parent / "data" / "tiny_corpus.txt"
 builtins_print = print
@@ -125,24 +125,46 @@ def pick_amp(opt_level: str, precision: str, use_cuda: bool, stack: str = "apex"
     return amp, opt_level, Choice("amp", f"apex.amp {opt_level}", "core")
 
 
-def clip_grad_norm_(grads: list[torch.Tensor], max_norm: float, noop_flag: torch.Tensor) -> torch.Tensor:
-    """Scale ``grads`` in place so that their global L2 norm is at most ``max_norm``.
+def torch_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-    The norm and the clip coefficient stay on the device: no ``.item()``, so the host keeps
-    queueing work. Returns the norm before clipping (a one-element device tensor). Gradients of
-    several dtypes (an amp model keeps some layers in fp32) go through the ops one dtype at a time.
-    """
-    by_dtype = defaultdict(list)
-    for g in grads:
-        by_dtype[g.dtype].append(g)
-    noop_flag.zero_()
-    norms = [multi_tensor_applier(amp_C.multi_tensor_l2norm, noop_flag, [gs], False)[0] for gs in by_dtype.values()]
-    total_norm = torch.linalg.vector_norm(torch.cat(norms)).reshape(1)
-    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    # A tensor scale is read on the device; a float would need clip_coef.item(), a host sync.
-    for gs in by_dtype.values():
-        multi_tensor_applier(amp_C.multi_tensor_scale, noop_flag, [gs, gs], clip_coef)
-    return total_norm
+
+def pick_loss(stack: str = "apex"):
+    """The training loss (mean over tokens of ``[batch, block, vocab]`` logits): apex.contrib.xentropy's
+    SoftmaxCrossEntropyLoss when installed, else F.cross_entropy on float32 logits (always in the
+    native stack)."""
+    if stack == "native":
+        return torch_cross_entropy, Choice("loss", "F.cross_entropy", note="--stack native")
+    try:
+        from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+    except ImportError as exc:
+        return torch_cross_entropy, Choice("loss", "F.cross_entropy", note=f"apex.contrib.xentropy unavailable: {exc}")
+
+    def apex_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # float32 losses from the logits as they are (bf16 under amp O2); no smoothing, and no
+        # padding_idx (upstream's default 0 would drop every token of character 0)
+        losses = SoftmaxCrossEntropyLoss.apply(logits.flatten(0, 1), targets.flatten(), 0.0, None, True)
+        return losses.mean()
+
+    return apex_cross_entropy, Choice("loss", "apex.contrib.xentropy.SoftmaxCrossEntropyLoss", "xentropy")
+
+
+def pick_clip(stack: str = "apex"):
+    """``clip(parameters, max_norm) -> total norm``: apex.contrib.clip_grad's clip_grad_norm_ (the
+    norm and the scale on the device, no host sync) when installed, else PyTorch's foreach one
+    (always in the native stack)."""
+
+    def torch_clip(parameters, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, foreach=True)
+
+    if stack == "native":
+        return torch_clip, Choice("grad clip", "torch clip_grad_norm_(foreach=True)", note="--stack native")
+    try:
+        from apex.contrib.clip_grad import clip_grad_norm_
+    except ImportError as exc:
+        note = f"apex.contrib.clip_grad unavailable: {exc}"
+        return torch_clip, Choice("grad clip", "torch clip_grad_norm_(foreach=True)", note=note)
+    return clip_grad_norm_, Choice("grad clip", "apex.contrib.clip_grad.clip_grad_norm_", "core")
 
 
 def describe_kernels(choice: Choice, device: torch.device) -> str:
@@ -152,7 +174,7 @@ def describe_kernels(choice: Choice, device: torch.device) -> str:
     else:
         status = apex.core.status(choice.kernels)
         tier, reason = status.tier, status.reason
-    return f"  {choice.role:<10} {choice.name:<34} tier={tier} ({reason})"
+    return f"  {choice.role:<10} {choice.name:<46} tier={tier} ({reason})"
 
 
 # Model -------------------------------------------------------------------------------------
@@ -474,12 +496,11 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
         amp_choice.name += f" ({precision}, loss scale {amp._amp_state.opt_properties.loss_scale})"
     net = wrap_data_parallel(model, args.stack) if world > 1 else model  # trains; model evaluates and samples
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(max(1, args.steps // 20), args.steps))
-    if args.stack == "native":
-        clip_choice = Choice("grad clip", "torch clip_grad_norm_(foreach=True)", note="--stack native")
-    else:
-        clip_choice = Choice("grad clip", "apex.core multi_tensor_l2norm/scale", "core")
+    loss_fn, loss_choice = pick_loss(args.stack)
+    clip, clip_choice = pick_clip(args.stack)
     params = [p for p in model.parameters() if p.requires_grad]
-    noop_flag = torch.zeros(1, dtype=torch.int32, device=device)
+    # What the optimizer steps, whose gradients are clipped: amp's fp32 masters where it keeps them.
+    clip_params = params if amp is None else list(amp.master_params(optimizer))
 
     n_params = sum(p.numel() for p in params)
     device_name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
@@ -515,20 +536,14 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
         x, y = data.batch("train", starts, cfg.block_size)
         with autocast():
             logits = net(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss = loss_fn(logits, y)
         optimizer.zero_grad(set_to_none=True)
         if amp is None:
             loss.backward()
-            grads = [p.grad for p in params]
         else:
             with amp.scale_loss(loss, optimizer) as scaled_loss:
-                scaled_loss.backward()
-            # Unscaled gradients of what the optimizer steps (amp's fp32 masters, where it keeps them).
-            grads = [p.grad for p in amp.master_params(optimizer) if p.grad is not None]
-        if args.stack == "native":
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm, foreach=True)
-        else:
-            grad_norm = clip_grad_norm_(grads, args.max_grad_norm, noop_flag)
+                scaled_loss.backward()  # leaves unscaled gradients on clip_params
+        grad_norm = clip(clip_params, args.max_grad_norm)
         optimizer.step()
         scheduler.step()
         return grad_norm
@@ -546,11 +561,11 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
             # with, and leave it out of the throughput.
             sync()
             print(f"{args.stack} pieces (kernel tier after the first step):")
-            for choice in (clip_choice, opt_choice, norm_choice, amp_choice):
+            for choice in (loss_choice, clip_choice, opt_choice, norm_choice, amp_choice):
                 if choice.kernels is not None:
                     print(describe_kernels(choice, device))
                 else:
-                    print(f"  {choice.role:<10} {choice.name:<34} ({choice.note})")
+                    print(f"  {choice.role:<10} {choice.name:<46} ({choice.note})")
             print(f"{'step':>6} {'train loss':>11} {'val loss':>9} {'grad norm':>10} {'lr':>9} {'tokens/s':>10}")
             print(f"{0:>6} {initial['train']:>11.4f} {initial['val']:>9.4f} {'-':>10} {'-':>9} {'-':>10}")
             interval_start, interval_steps = time.perf_counter(), 0

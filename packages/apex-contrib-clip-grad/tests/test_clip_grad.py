@@ -13,6 +13,7 @@ import torch
 
 from apex.contrib.clip_grad import clip_grad_norm_
 from apex.contrib.clip_grad.clip_grad import CHUNK_SIZE
+from apex.core.testing import load_example
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Empty, one element, odd, not a multiple of any vector width, more than one 65536-element chunk.
@@ -364,3 +365,23 @@ def test_plugin():
 
     assert (PLUGIN.name, PLUGIN.distribution, PLUGIN.kernel_library) == ("clip_grad", "apex-contrib-clip-grad", None)
     assert PLUGIN.provides == ("apex.contrib.clip_grad",)
+
+
+def test_demo_clips_with_this_package(device):
+    # The demo's clipping is this package's clip_grad_norm_ (the native stack's PyTorch's), and both
+    # clip the same gradients to the same norm.
+    demo = load_example("train_gpt", __file__)
+    if demo is None:
+        pytest.skip("not running from a source checkout")
+    clip, choice = demo.pick_clip()
+    assert clip is clip_grad_norm_ and choice.name == "apex.contrib.clip_grad.clip_grad_norm_"
+    native_clip, native = demo.pick_clip("native")
+    assert native.name == "torch clip_grad_norm_(foreach=True)"
+    params = make_params([(7, 3), (11,), (2, 2, 5)], [torch.float32] * 3, device, scale=4.0)
+    twins = clone_params(params)
+    total, expected = reference([p.grad for p in params], 0.5, 2.0)
+    norm = clip(params, 0.5)
+    torch.testing.assert_close(norm.cpu().double(), total, rtol=1e-6, atol=0)
+    torch.testing.assert_close(native_clip(twins, 0.5), norm)
+    assert_clipped([p.grad for p in params], expected)
+    assert_clipped([p.grad for p in twins], expected)

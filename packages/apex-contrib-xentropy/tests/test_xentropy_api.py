@@ -11,8 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import apex.core
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from apex.contrib.xentropy._plugin import PLUGIN
+from apex.core.testing import load_example
 
 OPS_NAMES = ["softmax_cross_entropy_forward", "softmax_cross_entropy_backward", "softmax_cross_entropy_backward_"]
 
@@ -250,3 +252,29 @@ def test_peak_memory_of_forward_and_backward_is_one_gradient():
         peak = torch.cuda.max_memory_allocated() - before
         assert peak <= bound, f"inplace={inplace}: {peak / logits_bytes:.2f}x one logits tensor"
         del losses, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_demo_trains_with_softmax_cross_entropy(device, dtype):
+    # The demo's loss: the mean of this op's float32 losses over every token, class 0 included
+    # (upstream's default padding_idx would drop those), matching float64 in value and gradient.
+    demo = load_example("train_gpt", __file__)
+    if demo is None:
+        pytest.skip("not running from a source checkout")
+    loss_fn, choice = demo.pick_loss()
+    assert choice.name == "apex.contrib.xentropy.SoftmaxCrossEntropyLoss"
+    assert apex.core.status(choice.kernels).name == "apex_contrib_xentropy"
+    logits = (3 * torch.randn(2, 5, 37, dtype=torch.float64)).to(dtype=dtype, device=device).requires_grad_()
+    targets = torch.randint(0, 37, (2, 5), device=device)
+    targets[0] = 0
+    loss = loss_fn(logits, targets)
+    assert loss.dtype == torch.float32 and loss.shape == ()
+    exact = logits.detach().double().cpu().requires_grad_()
+    expected = F.cross_entropy(exact.flatten(0, 1), targets.cpu().flatten())
+    expected.backward()
+    loss.backward()
+    assert_close(loss.double(), expected.detach(), dtype)
+    assert_close(logits.grad.double(), exact.grad, dtype)
+    native_fn, native = demo.pick_loss("native")
+    assert native.name == "F.cross_entropy"
+    assert_close(native_fn(logits.detach(), targets).double(), expected.detach(), dtype)

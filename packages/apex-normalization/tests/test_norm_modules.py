@@ -3,15 +3,12 @@ modules as the yardstick, the residual-add form, and the demo's use of them."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import apex.core
 import apex.normalization as norm
+from apex.core.testing import load_example
 from apex.normalization import FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm, MixedFusedRMSNorm
 
 UPSTREAM_NAMES = [
@@ -129,17 +126,10 @@ def test_residual_form(device, cls):
 
 
 def test_demo_picks_fused_layer_norm():
-    path = Path(__file__).resolve().parents[3] / "examples" / "train_gpt.py"
-    if not path.exists():
+    demo = load_example("train_gpt", __file__)
+    if demo is None:
         pytest.skip("not running from a source checkout")
-    spec = importlib.util.spec_from_file_location("train_gpt_for_test", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        cls, choice = module.pick_norm()
-    finally:
-        del sys.modules[spec.name]
+    cls, choice = demo.pick_norm()
     assert cls is FusedLayerNorm and choice.name == "apex.normalization.FusedLayerNorm"
     assert choice.kernels == "normalization" and apex.core.status(choice.kernels).name == "apex_normalization"
     layer = cls(16)

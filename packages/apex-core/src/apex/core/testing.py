@@ -12,6 +12,9 @@ processes are killed: a hung collective ends the test instead of the session).
 Worker functions live in the test file itself: test modules are imported under names that a
 child process cannot import, so the child loads the file by path instead. With ``backend
 ="nccl"`` rank r uses ``cuda:r``.
+
+``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
+``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
 """
 
 from __future__ import annotations
@@ -49,6 +52,16 @@ def _load(path: str):
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def load_example(name: str, start: str | Path):
+    """The module ``examples/<name>.py`` of the source checkout holding ``start`` (a test file),
+    loaded under a private name; None when no folder above ``start`` has it (an installed copy)."""
+    for folder in Path(start).resolve().parents:
+        path = folder / "examples" / f"{name}.py"
+        if path.is_file():
+            return _load(str(path))
+    return None
 
 
 def _child(rank, world_size, backend, store_file, path, function, args, results, collective_timeout) -> None:
