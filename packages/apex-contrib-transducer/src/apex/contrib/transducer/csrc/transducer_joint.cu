@@ -666,7 +666,11 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       // so no partial sums (at (32, 256, 64, 512) fp16 the backward 0.169 -> 0.159 ms; on fewer
       // blocks than SMs the 64-row plan's two tiles are faster, see benchmarks/NOTES.md). Several
       // tiles add their float32 partial sums of g's gradient in tile order (a second kernel).
-      const bool one_tile = T > kBackwardTs * 64 && T <= kBackwardTs * 128 && B * l.h_chunks >= apex::sm_count();
+      // (Its shared memory, 128 KB for 16-bit H chunks, is more than some GPUs give a block:
+      // 99 KB on sm_86/sm_89; those keep the 64-row plan.)
+      auto smem_of = [](int rows) { return size_t{2} * kUChunk * (rows / 4) * (kLanes * VW) * sizeof(A); };
+      const bool one_tile = T > kBackwardTs * 64 && T <= kBackwardTs * 128 && B * l.h_chunks >= apex::sm_count() &&
+                            smem_of(128) <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
       const int rows = T <= kBackwardTs * 32 ? 32 : one_tile ? 128 : 64;
       const int threads = kLanes * rows;
       l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);
@@ -674,7 +678,7 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       if (l.t_tiles > 1) partial = at::empty({l.t_tiles, B, U, H}, grad.options().dtype(compute_dtype(grad.scalar_type())));
       A* partial_ptr = l.t_tiles > 1 ? partial.mutable_data_ptr<A>() : nullptr;
       const auto blocks = grid_of(B * l.t_tiles * l.h_chunks);
-      const size_t smem = size_t{2} * kUChunk * (threads / 32) * (kLanes * VW) * sizeof(A);
+      const size_t smem = smem_of(rows);
       const auto kernel = one_tile ? joint_backward_kernel<T_, VW, M, 1024> : joint_backward_kernel<T_, VW, M, 512>;
       apex::allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem, true);
       kernel<<<blocks, threads, smem, stream>>>(
