@@ -98,9 +98,9 @@ __device__ __forceinline__ void load_acc(A (&dst)[N], const T* p) {
 }
 
 // N acc values to p (aligned to N elements) as T. Whole 16-byte pieces go through apex::store_vector
-// (one 16-byte store instruction each; with kStreaming, the streaming cache hint): nvcc 13.0 compiled the struct assignment of a Vec<Half, 8>,
-// and also a store of it as uint4, into four 4-byte stores (STG.E), which held the joint forward, a
-// pure write stream, at 65% of the copy rate.
+// (one 16-byte store instruction each; kStreaming adds its streaming cache hint): nvcc 13.0 compiled
+// the struct assignment of a Vec<Half, 8>, and also a store of it as uint4, into four 4-byte stores
+// (STG.E), which held the joint forward, a pure write stream, at 65% of the copy rate.
 template <int N, bool kStreaming = false, typename T, typename A>
 __device__ __forceinline__ void store_acc(T* p, const A (&src)[N]) {
   Vec<T, N> v;

@@ -6,14 +6,15 @@
 // grid's writes at a time one contiguous stretch), loading f's and g's vectors for each. The other
 // forwards and the backward give each block one batch element, a tile of t and a chunk of H: 8
 // lanes along H (16-byte vectors) by 32 rows along t in the forward (256 threads), 32, 64 or 128
-// rows in the backward. That forward holds its f vectors in registers and streams over u, reading g's
-// vectors from shared memory (staged a chunk of u's at a time). The backward reads each gradient
+// rows in the backward. That forward holds its f vectors in registers and streams over u, reading
+// g's vectors from shared memory (staged a chunk of u's at a time). The backward reads each gradient
 // element once: a thread sums its t's over every u (f's gradient, complete), and the sums over its
 // t's per u are added across the block's rows (shuffles, then shared memory) into g's gradient;
 // with more than one t tile, into float32 partial sums that a second kernel adds in tile order
 // (deterministic, no atomics).
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContextLight.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -178,18 +179,10 @@ __global__ void __launch_bounds__(kThreads, kMasked ? 1 : kForwardMinBlocks)
   }
 }
 
-// Division of 32-bit indices below 2^31 by a divisor fixed at launch, as a multiply and a shift
-// (n / d = (umulhi(n, m) + n) >> s with s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1): the
-// flat forward takes three divisions a vector, which as integer divisions cost more instructions
-// than the rest of its work.
-struct FastDiv {
-  uint32_t d, m, s;
-  explicit FastDiv(uint32_t divisor) : d(divisor), m(0), s(0) {
-    while ((uint64_t{1} << s) < divisor) ++s;
-    m = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << s) - divisor)) / divisor + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> s; }
-};
+// The flat forward divides each vector's index three times by divisors fixed at launch: PyTorch's
+// IntDivider does it as a multiply and a shift (indices below 2^31), where integer divisions would
+// cost more instructions than the rest of the kernel's work.
+using FastDiv = at::cuda::detail::IntDivider<uint32_t>;
 
 // The padded forward without ReLU or dropout over the output as one flat array of vectors: block
 // i writes vectors [256 K i, 256 K (i + 1)) of each grid step, so what the grid writes at a time is
@@ -206,7 +199,7 @@ __global__ void __launch_bounds__(256) joint_forward_flat_kernel(const T* __rest
                                                                    T* __restrict__ out) {
   using A = acc_t<T>;
   constexpr int K = 4;
-  const uint32_t hv = per_row.d, U = per_u.d, T_ = per_t.d;
+  const uint32_t hv = per_row.divisor, U = per_u.divisor, T_ = per_t.divisor;
   const int64_t H = int64_t{hv} * VW;
   for (uint32_t first = blockIdx.x * (256u * K) + threadIdx.x; first < n_vec; first += gridDim.x * (256u * K)) {
     Vec<T, VW> fv[K], gv[K];
@@ -317,9 +310,8 @@ __device__ __forceinline__ bool warp_rows_place(int& offset) {
 // rows t's and a thread has kBackwardTs * kBackwardUs vector loads in flight. Registers are bounded
 // for 1024 threads an SM (two 512-thread blocks, or one of 1024 for 128 rows): the f accumulators
 // (Ts x VW) are what registers cost, and more u's a step (not more t's) buy loads in flight without
-// more of them. The loads
-// run one step ahead of the sums (software pipelined), so they stay in flight across the shuffles,
-// the barrier and the block's sums of a chunk. g's per-u sums of a warp (its four rows summed by
+// more of them. The loads run one step ahead of the sums (software pipelined), so they stay in
+// flight across the shuffles, the barrier and the block's sums of a chunk. g's per-u sums of a warp (its four rows summed by
 // sum_warp_rows) go to shared memory, kUChunk u's at a time, double buffered: after the one barrier
 // a chunk the block adds the warps' sums (in warp order) while the next chunk fills the other
 // buffer; the barrier after that chunk orders the buffer's reuse.
@@ -665,9 +657,9 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       // 1024 threads) with a block a batch element and H chunk still filling every SM: one tile,
       // so no partial sums (at (32, 256, 64, 512) fp16 the backward 0.169 -> 0.159 ms; on fewer
       // blocks than SMs the 64-row plan's two tiles are faster, see benchmarks/NOTES.md). Several
-      // tiles add their float32 partial sums of g's gradient in tile order (a second kernel).
-      // (Its shared memory, 128 KB for 16-bit H chunks, is more than some GPUs give a block:
-      // 99 KB on sm_86/sm_89; those keep the 64-row plan.)
+      // tiles add their float32 partial sums of g's gradient in tile order (a second kernel). The
+      // 128-row tile's shared memory (128 KB for 16-bit H chunks) is more than some GPUs give a
+      // block (99 KB on sm_86/sm_89): those keep the 64-row plan.
       auto smem_of = [](int rows) { return size_t{2} * kUChunk * (rows / 4) * (kLanes * VW) * sizeof(A); };
       const bool one_tile = T > kBackwardTs * 64 && T <= kBackwardTs * 128 && B * l.h_chunks >= apex::sm_count() &&
                             smem_of(128) <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
