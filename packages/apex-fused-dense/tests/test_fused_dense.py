@@ -122,6 +122,55 @@ def check_gelu_dense_against_float64(shape, dtype, device):
         assert_close_to_float64(g, e, dtype, name)
 
 
+# Rows that split the bias gradients into many row chunks (the partial sums of apex-core's
+# bias_grad.cuh, added by a second kernel), one row, no rows; hidden sizes that are and are not a
+# multiple of the 16-byte vector.
+MANY_ROWS_SHAPES = [(0, 8, 16, 8), (1, 8, 16, 8), (4099, 24, 264, 40), (515, 12, 36, 20)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", MANY_ROWS_SHAPES, ids=str)
+@pytest.mark.parametrize("bgradb", [True, False], ids=["bgradb", "column_sum"])
+def test_bias_gradients_over_many_rows(device, monkeypatch, dtype, shape, bgradb):
+    # bgradb off: every bias gradient from the column sum, none from cuBLASLt's BGRADB epilogue.
+    monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
+    monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
+    if not bgradb:
+        monkeypatch.setenv("APEX_CUBLASLT_DISABLE", "bgradb")
+    check_gelu_dense_against_float64(shape, dtype, device)
+    x, w, b = (t.requires_grad_() for t in params(shape, dtype, device))
+    out = fused_dense_function(x, w, b)
+    dy = randn(out.shape, dtype, device, seed=4)
+    x64, w64, b64 = float64_copies(x, w, b)
+    expected_out = F.linear(x64, w64, b64)
+    for name, g, e in zip(
+        ["d_input", "d_weight", "d_bias"], grads(out, (x, w, b), dy), grads(expected_out, (x64, w64, b64), dy.double())
+    ):
+        assert_close_to_float64(g, e, dtype, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_backward_reads_unaligned_saved_tensors(dtype):
+    # The backward op with gelu_in and output1 one element into their storage: the GELU and
+    # bias-gradient pass then takes scalar accesses instead of 16-byte vectors.
+    def shifted(t):
+        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+        view = storage[1:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    x, w1, b1, w2, b2 = gelu_params((257, 64, 256, 128), dtype, "cuda")
+    output1, _, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    dy = randn((257, 128), dtype, "cuda", seed=6)
+    got = _ops.linear_gelu_linear_backward(x, shifted(gelu_in), shifted(output1), w1, w2, dy)
+    inputs64 = float64_copies(x, w1, b1, w2, b2)
+    expected_out = gelu_dense_float64(*inputs64)
+    expected = grads(expected_out, inputs64, dy.double())
+    for name, g, e in zip(["d_input", "d_weight1", "d_bias1", "d_weight2", "d_bias2"], got, expected):
+        assert_close_to_float64(g, e, dtype, name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "variable, names", [("APEX_CUBLASLT_ENABLE", "dgelu"), ("APEX_CUBLASLT_DISABLE", "all")], ids=["dgelu", "no_lt"]

@@ -103,6 +103,10 @@ def run_ops(tensors, layers, bias, activation, input_grad=True, grad_output=None
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{'-'.join(map(str, s[1]))}")
 def test_forward_and_every_gradient_match_float64(device, dtype, activation, bias, shape):
+    check_against_float64(device, dtype, activation, bias, shape)
+
+
+def check_against_float64(device, dtype, activation, bias, shape):
     batch, sizes = shape
     tensors, layers = make_layers(batch, sizes, dtype, device, bias)
     code = ACTIVATIONS[activation]
@@ -121,6 +125,42 @@ def test_forward_and_every_gradient_match_float64(device, dtype, activation, bia
         assert (got.shape, got.dtype, got.device) == (want.shape, dtype, x.device)
         # The backward passes back through every layer: twice the depth of roundings.
         assert relative_error(got, want) <= 2 * tol
+
+
+def float64_backward(x, weights, outputs, grad_output, activation):
+    """The backward in float64 from the forward's own (rounded) outputs: relu's gate then follows
+    the op's outputs, where a float64 forward would flip the sign of pre-activations near zero."""
+    grads_w, grads_b = [], []
+    g = grad_output.double().cpu()
+    for i in reversed(range(len(weights))):
+        y = outputs[i].double().cpu()
+        dz = {0: g, 1: g * (y > 0), 2: g * y * (1 - y)}[activation]
+        y_in = (outputs[i - 1] if i > 0 else x).double().cpu()
+        grads_w.insert(0, dz.t() @ y_in)
+        grads_b.insert(0, dz.sum(0))
+        g = dz @ weights[i].double().cpu()
+    return [g, *grads_w, *grads_b]
+
+
+@pytest.mark.parametrize("dtype", DTYPES[:3], ids=str)
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+@pytest.mark.parametrize("shape", [(4099, [24, 264, 40]), (515, [12, 36, 20])], ids=["4099x24-264-40", "515x12-36-20"])
+@pytest.mark.parametrize("bgradb", [True, False], ids=["bgradb", "column_sum"])
+def test_bias_gradients_over_many_rows(device, monkeypatch, dtype, activation, shape, bgradb):
+    # Batches that split the bias gradients into many row chunks (the partial sums of apex-core's
+    # bias_grad.cuh), features that are and are not a multiple of the 16-byte vector; bgradb off:
+    # no bias gradient from cuBLASLt's BGRADB epilogue.
+    monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
+    monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
+    if not bgradb:
+        monkeypatch.setenv("APEX_CUBLASLT_DISABLE", "bgradb")
+    batch, sizes = shape
+    tensors, layers = make_layers(batch, sizes, dtype, device)
+    code = ACTIVATIONS[activation]
+    outputs, grad_output, grads, _ = run_ops(tensors, layers, True, code)
+    expected = float64_backward(tensors[0], tensors[1 : 1 + layers], outputs, grad_output, code)
+    for got, want in zip(grads, expected, strict=True):
+        assert relative_error(got, want) <= 2 * tolerance(dtype, layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -17,7 +17,7 @@ leading shape into rows) and weights ``[out_features, in_features]`` as ``nn.Lin
   16-bit input's dtype for the second.
 
 Dtypes: float32, float16, bfloat16, and float64 (through the reference on every device). The CUDA
-kernels (``csrc/fused_dense.cpp``) make the same checks with the same words.
+kernels (``csrc/fused_dense.cu``) make the same checks with the same words.
 """
 
 from __future__ import annotations

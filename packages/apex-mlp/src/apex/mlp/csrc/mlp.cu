@@ -6,13 +6,14 @@
 // epilogue doing what follows it: forward: the bias and relu (CUBLASLT_EPILOGUE_RELU_BIAS; with
 // relu_masks, RELU_AUX_BIAS for hidden layers, which also writes the bit mask of y > 0 that the
 // backward's DRELU epilogue reads), sigmoid by a small element-wise kernel after the bias epilogue;
-// backward: the bias gradient in the weight-gradient GEMM (CUBLASLT_EPILOGUE_BGRADB), relu's
-// derivative and the previous layer's bias gradient in the input-gradient GEMM
+// backward: relu's derivative and the previous layer's bias gradient in the input-gradient GEMM
 // (CUBLASLT_EPILOGUE_DRELU_BGRAD, reading the mask; off by default, see apex/cublaslt.h),
-// otherwise the activation derivative by an element-wise kernel reading the layer's output (relu:
-// y > 0, sigmoid: y (1 - y)). Where cuBLASLt cannot take a GEMM (a leading dimension or pointer not
-// 16-byte aligned, an empty dimension, float64, an epilogue switched off, no algorithm for the
-// epilogue), that GEMM and its epilogue go through ATen and small kernels instead: every shape works.
+// otherwise the activation's derivative and the bias gradient in one pass of apex-core's
+// apex/bias_grad.cuh over the gradient and the layer's output (relu: y > 0, sigmoid: y (1 - y));
+// without an activation, the bias gradient in the weight-gradient GEMM (CUBLASLT_EPILOGUE_BGRADB).
+// Where cuBLASLt cannot take a GEMM (a leading dimension or pointer not 16-byte aligned, an empty
+// dimension, float64, an epilogue switched off, no algorithm for the epilogue), that GEMM and its
+// epilogue go through ATen and small kernels instead: every shape works.
 //
 // Row-major [rows, cols] is column-major [cols, rows]; so y = x w^T is, in cuBLASLt's terms,
 // D (n_out x batch) = op_T(w) (n_out x n_in) * x (n_in x batch).
@@ -29,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include <apex/bias_grad.cuh>
 #include <apex/checks.h>
 #include <apex/cublaslt.h>
 #include <apex/dispatch.h>
@@ -101,7 +103,7 @@ void check_activation(const char* op, int64_t activation) {
 constexpr uint32_t kAlignment = 16;
 
 // ---------------------------------------------------------------------------------------------
-// Element-wise kernels: sigmoid in place, and the activation's derivative.
+// Element-wise kernels: sigmoid in place, and the relu mask where cuBLASLt did not write it.
 
 constexpr int kThreads = 256;
 constexpr int kAccessesInFlight = 4;
@@ -123,34 +125,6 @@ __global__ void __launch_bounds__(kThreads) sigmoid_kernel(T* y, int64_t n) {
         group.store(block_y, v);
       },
       block_y);
-}
-
-// dz = dy * act'(z), from the activation's output y: relu' = (y > 0), sigmoid' = y (1 - y).
-template <typename T, bool kIsRelu>
-__global__ void __launch_bounds__(kThreads) activation_backward_kernel(const T* dy, const T* y, T* dz, int64_t n) {
-  const int64_t begin = static_cast<int64_t>(blockIdx.x) * kPerBlock<T>;
-  const int64_t count = n - begin < kPerBlock<T> ? n - begin : kPerBlock<T>;
-  const T* block_dy = dy + begin;
-  const T* block_y = y + begin;
-  T* block_dz = dz + begin;
-  apex::for_each_element<apex::vector_width<T>(), kAccessesInFlight>(
-      count,
-      [&](auto group) {
-        using Group = decltype(group);
-        float g[Group::kCount][Group::kWidth];
-        float v[Group::kCount][Group::kWidth];
-        group.load(g, block_dy);
-        group.load(v, block_y);
-        group.for_each_value([&](int i, int j) {
-          if constexpr (kIsRelu) {
-            g[i][j] = v[i][j] > 0.0f ? g[i][j] : 0.0f;
-          } else {
-            g[i][j] = g[i][j] * v[i][j] * (1.0f - v[i][j]);
-          }
-        });
-        group.store(block_dz, g);
-      },
-      block_dy, block_y, block_dz);
 }
 
 // The relu mask of y where cuBLASLt did not write it (one thread per mask byte).
@@ -203,26 +177,31 @@ void sigmoid_in_place(at::Tensor& y) {
   });
 }
 
-at::Tensor activation_backward(const at::Tensor& dy, const at::Tensor& y, int64_t activation) {
-  if (activation == kNone) return dy;
+// dz = dy * act'(y) from the activation's output y (relu' = (y > 0), sigmoid' = y (1 - y)), and
+// with db defined also the bias gradient db = dz summed over the batch, in one pass (apex-core's
+// apex/bias_grad.cuh); no activation: dz is dy, db its column sums. float64 through ATen.
+at::Tensor activation_backward(const at::Tensor& dy, const at::Tensor& y, int64_t activation, at::Tensor db) {
   if (y.scalar_type() == at::kDouble) {
-    return activation == kRelu ? at::where(y > 0, dy, at::zeros({}, dy.options())) : dy * y * (1 - y);
+    at::Tensor dz = activation == kNone   ? dy
+                    : activation == kRelu ? at::where(y > 0, dy, at::zeros({}, dy.options()))
+                                          : dy * y * (1 - y);
+    if (db.defined()) {
+      const int64_t batch_dim[] = {0};
+      at::sum_out(db, dz, batch_dim);
+    }
+    return dz;
+  }
+  namespace bg = apex::bias_grad;
+  if (activation == kNone) {
+    if (db.defined()) bg::activation_bias_grad<bg::Act::kIdentity>(dy, dy, at::Tensor(), db);
+    return dy;
   }
   at::Tensor dz = at::empty_like(y);
-  const int64_t n = y.numel();
-  if (n == 0) return dz;
-  APEX_DISPATCH_FLOAT_TYPES(y.scalar_type(), "mlp_backward", "input", scalar_t, {
-    const auto blocks = static_cast<unsigned int>(apex::ceil_div(n, kPerBlock<scalar_t>));
-    const auto stream = at::cuda::getCurrentCUDAStream();
-    if (activation == kRelu) {
-      activation_backward_kernel<scalar_t, true><<<blocks, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(), n);
-    } else {
-      activation_backward_kernel<scalar_t, false><<<blocks, kThreads, 0, stream>>>(
-          dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(), dz.mutable_data_ptr<scalar_t>(), n);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  if (activation == kRelu) {
+    bg::activation_bias_grad<bg::Act::kRelu>(dy, y, dz, db);
+  } else {
+    bg::activation_bias_grad<bg::Act::kSigmoid>(dy, y, dz, db);
+  }
   return dz;
 }
 
@@ -333,26 +312,30 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
     const int64_t n_in = w.size(1);
     const int64_t n_out = w.size(0);
     const at::Tensor& y_in = i > 0 ? outputs[i - 1] : input;
-    const at::Tensor dz = grad_is_dz ? grad : activation_backward(grad, outputs[i], activation);
-    const bool db_done = grad_is_dz && bias;
+    // The bias gradient: from the DRELU epilogue that made grad (grad_is_dz); else in the pass that
+    // takes the activation's derivative; with no activation, in the weight-gradient GEMM's BGRADB
+    // epilogue where that is on, else by a column sum.
+    const bool db_in_gemm = bias && !grad_is_dz && activation == kNone &&
+                            apex::lt::epilogue_enabled(CUBLASLT_EPILOGUE_BGRADB);
+    at::Tensor db = !bias ? at::Tensor() : grad_is_dz ? fused_db : at::empty({n_out}, w.options());
+    const at::Tensor dz =
+        grad_is_dz ? grad : activation_backward(grad, outputs[i], activation, db_in_gemm ? at::Tensor() : db);
 
     // dW (n_out x n_in, row-major) = dz^T y_in; column-major D (n_in x n_out) = y_in^T-as-stored * dz^T.
     at::Tensor dw = at::empty_like(w);
-    at::Tensor db = db_done ? fused_db : bias ? at::empty({n_out}, w.options()) : at::Tensor();
     apex::lt::Gemm wgrad;
     wgrad.transpose_b = true;
     wgrad.m = n_in, wgrad.n = n_out, wgrad.k = batch;
     wgrad.a = y_in.const_data_ptr(), wgrad.lda = n_in;
     wgrad.b = dz.const_data_ptr(), wgrad.ldb = n_out;
     wgrad.d = dw.mutable_data_ptr(), wgrad.ldd = n_in;
-    if (bias && !db_done) {
+    if (db_in_gemm) {
       wgrad.epilogue = CUBLASLT_EPILOGUE_BGRADB;
       wgrad.bias = db.mutable_data_ptr();
     }
     if (!lt.run(wgrad)) {
       at::mm_out(dw, dz.t(), y_in);
-      const int64_t batch_dim[] = {0};
-      if (bias && !db_done) at::sum_out(db, dz, batch_dim);
+      if (db_in_gemm) activation_backward(dz, dz, kNone, db);
     }
     grad_weights[i] = dw;
     grad_biases[i] = db;

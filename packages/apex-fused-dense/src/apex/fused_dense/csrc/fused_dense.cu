@@ -10,7 +10,8 @@
 // Every GEMM goes through apex-core's cuBLASLt runner (apex/cublaslt.h), which tells cuBLASLt each
 // pointer's own alignment. Whenever cuBLASLt declines a problem (no algorithm for the alignment,
 // the epilogue, or the dtypes; an empty dimension; an epilogue switched off) the op computes the
-// same result with ATen ops instead: the fallback is part of the contract, never an error.
+// same result with ATen ops and apex-core's activation and bias-gradient pass (apex/bias_grad.cuh)
+// instead: the fallback is part of the contract, never an error.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
@@ -23,6 +24,7 @@
 #include <string>
 #include <tuple>
 
+#include <apex/bias_grad.cuh>
 #include <apex/checks.h>
 #include <apex/cublaslt.h>
 
@@ -71,6 +73,19 @@ void check_size(const char* op, const char* name, const at::Tensor& t, int64_t d
 }
 
 // ---------------------------------------------------------------- the GEMMs of a dense layer
+
+// d_bias[N] = d_out[M, N] summed over M (apex-core's column sum; float64 through ATen).
+void bias_grad(const at::Tensor& d_out, at::Tensor& d_bias) {
+  if (d_out.scalar_type() == c10::ScalarType::Double) {
+    if (d_out.size(0) > 0) {
+      at::sum_out(d_bias, d_out, {0});
+    } else {
+      d_bias.zero_();
+    }
+    return;
+  }
+  apex::bias_grad::activation_bias_grad<apex::bias_grad::Act::kIdentity>(d_out, d_out, at::Tensor(), d_bias);
+}
 
 // out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]).
 at::Tensor dense_forward(apex::lt::Runner& lt, const at::Tensor& x, const at::Tensor& w,
@@ -124,11 +139,7 @@ void weight_grad(apex::lt::Runner& lt, const at::Tensor& x, const at::Tensor& d_
     if (lt.run(g)) return;
     g.epilogue = CUBLASLT_EPILOGUE_DEFAULT;
     g.bias = nullptr;
-    if (m > 0) {
-      at::sum_out(*d_bias, d_out, {0});
-    } else {
-      d_bias->zero_();
-    }
+    bias_grad(d_out, *d_bias);
   }
   if (lt.run(g)) return;
   if (beta == 0.0f) {
@@ -250,24 +261,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   weight_grad(lt, output1, grad_output, d_weight2, &d_bias2, 0.0f);
 
   // The pre-activation's gradient: (grad_output @ weight2) * gelu'(gelu_in), and its column sums
-  // (bias1's gradient), in one GEMM's epilogue.
-  at::Tensor d_gelu_in = at::empty({m, h}, input.options());
+  // (bias1's gradient): in one GEMM's epilogue where DGELU_BGRAD is on (off by default, see
+  // apex/cublaslt.h); else the GEMM, then GELU's gradient and bias1's in one pass over its output,
+  // written in place (apex-core's apex/bias_grad.cuh).
+  at::Tensor d_gelu_in;
   at::Tensor d_bias1 = at::empty({h}, weight1.options());
-  apex::lt::Gemm g;
-  g.m = h, g.n = m, g.k = n;
-  g.a = weight2.const_data_ptr(), g.lda = h;
-  g.b = grad_output.const_data_ptr(), g.ldb = n;
-  g.d = d_gelu_in.data_ptr(), g.ldd = h;
-  g.epilogue = CUBLASLT_EPILOGUE_DGELU_BGRAD;
-  g.bias = d_bias1.data_ptr();
-  g.aux = const_cast<void*>(gelu_in.const_data_ptr());  // read only by DGELU
-  g.aux_ld = h;
-  if (!lt.run(g)) {
-    d_gelu_in = at::gelu_backward(input_grad(lt, grad_output, weight2), gelu_in, "tanh");
-    if (m > 0) {
-      at::sum_out(d_bias1, d_gelu_in, {0});
+  bool fused = false;
+  if (apex::lt::epilogue_enabled(CUBLASLT_EPILOGUE_DGELU_BGRAD)) {
+    d_gelu_in = at::empty({m, h}, input.options());
+    apex::lt::Gemm g;
+    g.m = h, g.n = m, g.k = n;
+    g.a = weight2.const_data_ptr(), g.lda = h;
+    g.b = grad_output.const_data_ptr(), g.ldb = n;
+    g.d = d_gelu_in.data_ptr(), g.ldd = h;
+    g.epilogue = CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    g.bias = d_bias1.data_ptr();
+    g.aux = const_cast<void*>(gelu_in.const_data_ptr());  // read only by DGELU
+    g.aux_ld = h;
+    fused = lt.run(g);
+  }
+  if (!fused) {
+    d_gelu_in = input_grad(lt, grad_output, weight2);
+    if (d_gelu_in.scalar_type() == c10::ScalarType::Double) {
+      d_gelu_in = at::gelu_backward(d_gelu_in, gelu_in, "tanh");
+      bias_grad(d_gelu_in, d_bias1);
     } else {
-      d_bias1.zero_();
+      apex::bias_grad::activation_bias_grad<apex::bias_grad::Act::kGeluTanh>(d_gelu_in, gelu_in, d_gelu_in, d_bias1);
     }
   }
   at::Tensor d_weight1 = at::empty_like(weight1);
