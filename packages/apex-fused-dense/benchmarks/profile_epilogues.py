@@ -81,6 +81,7 @@ def main() -> int:
             print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
         if args.kernels and (tokens, hidden) == SHAPES[0]:
             kernels(step(ours, x, dy), "FusedDenseGeluDense")
+            kernels(step(ours, x, dy), "FusedDenseGeluDense", "bgradb")
             kernels(step(ours, x, dy), "FusedDenseGeluDense", "all")
             kernels(step(eager, x, dy), "eager Linear-GELU-Linear")
 
@@ -94,6 +95,8 @@ def main() -> int:
             print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
         if args.kernels and (tokens, hidden) == SHAPES[0]:
             kernels(step(ours, x, dy), "FusedDense")
+            kernels(step(ours, x, dy), "FusedDense", "bgradb")
+            kernels(step(ours, x, dy), "FusedDense", "bias")
             kernels(step(eager, x, dy), "eager Linear")
         del ours, eager, x, dy
 
