@@ -132,11 +132,11 @@ MANY_ROWS_SHAPES = [(0, 8, 16, 8), (1, 8, 16, 8), (4099, 24, 264, 40), (515, 12,
 @pytest.mark.parametrize("shape", MANY_ROWS_SHAPES, ids=str)
 @pytest.mark.parametrize("bgradb", [True, False], ids=["bgradb", "column_sum"])
 def test_bias_gradients_over_many_rows(device, monkeypatch, dtype, shape, bgradb):
-    # bgradb off: every bias gradient from the column sum, none from cuBLASLt's BGRADB epilogue.
+    # BGRADB is off by default (apex/cublaslt.h): bgradb turns it on; column_sum switches it off
+    # explicitly, so every bias gradient comes from apex/bias_grad.cuh's column sum.
     monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
     monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
-    if not bgradb:
-        monkeypatch.setenv("APEX_CUBLASLT_DISABLE", "bgradb")
+    monkeypatch.setenv("APEX_CUBLASLT_ENABLE" if bgradb else "APEX_CUBLASLT_DISABLE", "bgradb")
     check_gelu_dense_against_float64(shape, dtype, device)
     x, w, b = (t.requires_grad_() for t in params(shape, dtype, device))
     out = fused_dense_function(x, w, b)

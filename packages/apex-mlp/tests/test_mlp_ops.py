@@ -148,12 +148,11 @@ def float64_backward(x, weights, outputs, grad_output, activation):
 @pytest.mark.parametrize("bgradb", [True, False], ids=["bgradb", "column_sum"])
 def test_bias_gradients_over_many_rows(device, monkeypatch, dtype, activation, shape, bgradb):
     # Batches that split the bias gradients into many row chunks (the partial sums of apex-core's
-    # bias_grad.cuh), features that are and are not a multiple of the 16-byte vector; bgradb off:
-    # no bias gradient from cuBLASLt's BGRADB epilogue.
+    # bias_grad.cuh), features that are and are not a multiple of the 16-byte vector; with cuBLASLt's
+    # BGRADB epilogue (off by default) turned on, and explicitly off.
     monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
     monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
-    if not bgradb:
-        monkeypatch.setenv("APEX_CUBLASLT_DISABLE", "bgradb")
+    monkeypatch.setenv("APEX_CUBLASLT_ENABLE" if bgradb else "APEX_CUBLASLT_DISABLE", "bgradb")
     batch, sizes = shape
     tensors, layers = make_layers(batch, sizes, dtype, device)
     code = ACTIVATIONS[activation]

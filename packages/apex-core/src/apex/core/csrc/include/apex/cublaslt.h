@@ -8,8 +8,11 @@
 // own kernels) instead.
 // A fused epilogue can cost more than it saves: on the H200 with CUDA 13.0's cuBLASLt, DRELU_BGRAD
 // and DGELU_BGRAD run as a GEMM followed by a separate generic epilogue kernel (0.3-0.4 ms per
-// call at 8192 x 4096 bf16, where PyTorch's gelu_backward plus a column sum take 0.1 ms), so
-// those two are off by default (measured by benchmarks/profile_epilogues.py of apex-fused-dense).
+// call at 8192 x 4096 bf16, where PyTorch's gelu_backward plus a column sum take 0.1 ms and
+// apex/bias_grad.cuh's one pass 0.05 ms), and BGRADB as the GEMM plus a separate bias-gradient
+// kernel (31 us for a [8192, 4096] bf16 gradient, where apex/bias_grad.cuh's column sum takes
+// 21 us), so those three are off by default (measured by benchmarks/profile_epilogues.py of
+// apex-fused-dense; the callers then use apex/bias_grad.cuh).
 // Environment, comma-separated names, read on every call (parsed again only when changed):
 // APEX_CUBLASLT_ENABLE turns default-off epilogues on, APEX_CUBLASLT_DISABLE turns any off.
 // Names: bias, relu (RELU, RELU_BIAS), relu_aux (RELU_AUX, RELU_AUX_BIAS), drelu (DRELU,
@@ -52,7 +55,7 @@ enum : unsigned {
   kDGelu = 1u << 5,
   kBGradB = 1u << 6,
   kAll = (1u << 7) - 1,
-  kDefaultOff = kDRelu | kDGelu,
+  kDefaultOff = kDRelu | kDGelu | kBGradB,
 };
 
 inline unsigned parse_names(const char* text) {
