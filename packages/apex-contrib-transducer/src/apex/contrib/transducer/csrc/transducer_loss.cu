@@ -352,6 +352,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_forward_cuda(
   TORCH_CHECK_VALUE(U <= int64_t{kMaxSweepThreads} * kMaxPerThread, op, ": label length + 1 (", U,
                     ") exceeds the CUDA kernel's limit of ", kMaxSweepThreads * kMaxPerThread);
   const c10::cuda::CUDAGuard guard(x.device());
+  // The sweep keeps two diagonals of U accumulator values in shared memory: float64 input near the
+  // U limit needs 128 KB, more than sm_86 / sm_89 give a block (99 KB).
+  const auto acc_bytes = static_cast<int64_t>(c10::elementSize(compute_dtype(x.scalar_type())));
+  const auto smem_limit = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  TORCH_CHECK_VALUE(2 * U * acc_bytes <= smem_limit, op, ": label length + 1 (", U, ") needs ", 2 * U * acc_bytes,
+                    " bytes of shared memory (two lattice diagonals of ", acc_bytes,
+                    "-byte values), more than this GPU gives a block (", smem_limit, ")",
+                    acc_bytes == 8 ? "; float32 input needs half as much" : "");
   const int64_t B = label.size(0), T = max_f_len;
   const auto acc_options = x.options().dtype(compute_dtype(x.scalar_type()));
   const Lattice l = lattice_of(x, label, f_len, y_len, batch_offset, T, U, blank_idx);
