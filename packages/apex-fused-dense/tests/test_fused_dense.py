@@ -58,6 +58,14 @@ def params(shape, dtype, device, bias=True):
     return x, w, b
 
 
+def shifted(t):
+    """A copy of t one element into its storage (2-byte aligned for 16-bit dtypes)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 def grads(output, inputs, grad):
     got = torch.autograd.grad(output, [t for t in inputs if t is not None], grad)
     return list(got)
@@ -154,12 +162,6 @@ def test_bias_gradients_over_many_rows(device, monkeypatch, dtype, shape, bgradb
 def test_gelu_backward_reads_unaligned_saved_tensors(dtype):
     # The backward op with gelu_in and output1 one element into their storage: the GELU and
     # bias-gradient pass then takes scalar accesses instead of 16-byte vectors.
-    def shifted(t):
-        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-        view = storage[1:].view(t.shape)
-        view.copy_(t)
-        return view
-
     x, w1, b1, w2, b2 = gelu_params((257, 64, 256, 128), dtype, "cuda")
     output1, _, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
     dy = randn((257, 128), dtype, "cuda", seed=6)
@@ -391,12 +393,6 @@ def test_cuda_kernel_is_loaded():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_unaligned_tensors_take_the_fallback_correctly(dtype):
     # Every tensor one element into its storage: cuBLASLt's heuristic gets 2-byte alignment.
-    def shifted(t):
-        storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-        view = storage[1:].view(t.shape)
-        view.copy_(t)
-        return view
-
     inputs = [shifted(t).requires_grad_() for t in gelu_params((64, 128, 96, 32), dtype, "cuda")]
     out = fused_dense_gelu_dense_function(*inputs)
     dy = randn(out.shape, dtype, "cuda")
