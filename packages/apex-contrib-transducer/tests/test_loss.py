@@ -388,6 +388,22 @@ def test_long_label_sequences_use_several_u_per_thread():
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.gpu
+def test_float64_at_the_u_limit_runs_or_is_refused_clearly():
+    # float64 keeps two diagonals of 8192 doubles (128 KB) in shared memory: the sweep runs where a
+    # block may hold that (sm_80, sm_90) and is refused naming the label length where not (sm_86, sm_89).
+    shape = (1, 2, 8192, 2)
+    x, label, f_len, y_len = case(shape, torch.float64, "cpu", full=True)
+    args = (None, 2, 0, True)
+    on_gpu = (x.cuda(), label.cuda(), f_len.cuda(), y_len.cuda())
+    if 2 * 8192 * 8 <= torch.cuda.get_device_properties(0).shared_memory_per_block_optin:
+        ref = _ops.loss_forward(x, label, f_len, y_len, *args)[2]
+        torch.testing.assert_close(_ops.loss_forward(*on_gpu, *args)[2].cpu(), ref, rtol=1e-10, atol=1e-9)
+    else:
+        with pytest.raises(ValueError, match=r"label length \+ 1 \(8192\) needs 131072 bytes of shared memory"):
+            _ops.loss_forward(*on_gpu, *args)
+
+
 @pytest.mark.multigpu
 def test_second_gpu():
     x, label, f_len, y_len = case((2, 5, 3, 16), torch.float32, "cuda:1")
