@@ -16,7 +16,9 @@ Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, op
   (``SGD(fused=True, momentum=0.9)`` for ResNet-50);
 - ``native-compiled``: the same with the model and its loss under ``torch.compile`` (default mode);
 - ``apex-eager``: ``amp.initialize(opt_level="O2", cast_model_type=torch.bfloat16)``,
-  ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form, ``fused_apply_rotary_pos_emb``,
+  ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form with ``memory_efficient=True``
+  (each saves its output, which the next linear layer holds anyway, instead of the residual stream),
+  ``fused_apply_rotary_pos_emb``,
   ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
   backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50);
 - ``apex-compiled``: the apex stack with the model and its loss under ``torch.compile``.
@@ -94,10 +96,14 @@ class Kit:
     expand_kv: bool = False
 
     def layer_norm(self, width: int) -> nn.Module:
-        return FusedLayerNorm(width, eps=NORM_EPS) if self.apex else nn.LayerNorm(width, eps=NORM_EPS)
+        if self.apex:
+            return FusedLayerNorm(width, eps=NORM_EPS, memory_efficient=True)
+        return nn.LayerNorm(width, eps=NORM_EPS)
 
     def rms_norm(self, width: int) -> nn.Module:
-        return FusedRMSNorm(width, eps=NORM_EPS) if self.apex else nn.RMSNorm(width, eps=NORM_EPS)
+        if self.apex:
+            return FusedRMSNorm(width, eps=NORM_EPS, memory_efficient=True)
+        return nn.RMSNorm(width, eps=NORM_EPS)
 
     def add_norm(self, norm: nn.Module, x: torch.Tensor, pending: torch.Tensor | None):
         """``(norm(x + pending), x + pending)``: the residual add before a pre-norm, fused in apex."""
