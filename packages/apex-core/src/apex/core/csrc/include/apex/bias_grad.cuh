@@ -10,8 +10,9 @@
 // d_bias this is the element-wise derivative, without dz (kIdentity) a column sum.
 //
 // Why not cuBLASLt: on the H200 with CUDA 13.0 its DRELU_BGRAD / DGELU_BGRAD epilogues run as the
-// GEMM plus a separate generic kernel (0.3-0.4 ms at 8192 x 4096 bf16, see apex/cublaslt.h), and a
-// separate column sum after the element-wise kernel reads dz once more.
+// GEMM plus a separate generic kernel (0.3-0.4 ms at 8192 x 4096 bf16), and BGRADB as the GEMM
+// plus a bias-gradient kernel slower than the column sum here (see apex/cublaslt.h); a separate
+// column sum after an element-wise kernel would read dz once more.
 //
 // Layout: a block is 32 column vectors (16 bytes each) x 8 row lanes, over a chunk of rows; each
 // thread keeps its vector's sums in registers, the block adds its 8 lanes in shared memory and
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
