@@ -511,7 +511,7 @@ std::optional<BackwardPlan> plan_backward(const BackwardParams<T, W, O, S>& p, b
   // some GPUs give a block; those take the streaming path. The copies of the next tile's rows
   // come on top where they fit (192 KiB at 16384 bf16).
   const size_t static_smem = 4 * (kMaxThreads / kWarp) * sizeof(float);
-  const size_t limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  const size_t limit = apex::smem_per_block_optin();
   if (accumulator_bytes + static_smem > limit) return std::nullopt;
   plan.whole = !kEfficient && plan.vecs == kLongRowVecs && p.weight != nullptr &&
                vectors == static_cast<int64_t>(plan.group_threads) * plan.vecs && p.rows % groups == 0;

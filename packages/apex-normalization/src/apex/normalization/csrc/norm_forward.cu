@@ -487,7 +487,7 @@ ForwardPlan plan_forward(const ForwardParams<T, W, O>& p) {
   const int groups = plan.block / plan.group_threads;
   plan.tiles = ceil_div(p.rows, groups);
   const size_t staged = 2 * static_cast<size_t>(p.residual != nullptr ? 2 : 1) * groups * vectors * 16;
-  const size_t budget = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - 2048;
+  const size_t budget = apex::smem_per_block_optin() - 2048;
   if (staged <= budget) {
     allow(ForwardKernel::kPrefetch, staged, /*max_shared_carveout=*/true);
     const int64_t prefetching = resident(ForwardKernel::kPrefetch, staged);

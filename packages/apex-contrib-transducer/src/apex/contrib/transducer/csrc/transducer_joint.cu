@@ -311,10 +311,10 @@ __device__ __forceinline__ bool warp_rows_place(int& offset) {
 // for 1024 threads an SM (two 512-thread blocks, or one of 1024 for 128 rows): the f accumulators
 // (Ts x VW) are what registers cost, and more u's a step (not more t's) buy loads in flight without
 // more of them. The loads run one step ahead of the sums (software pipelined), so they stay in
-// flight across the shuffles, the barrier and the block's sums of a chunk. g's per-u sums of a warp (its four rows summed by
-// sum_warp_rows) go to shared memory, kUChunk u's at a time, double buffered: after the one barrier
-// a chunk the block adds the warps' sums (in warp order) while the next chunk fills the other
-// buffer; the barrier after that chunk orders the buffer's reuse.
+// flight across the shuffles, the barrier and the block's sums of a chunk. g's per-u sums of a
+// warp (its four rows summed by sum_warp_rows) go to shared memory, kUChunk u's at a time, double
+// buffered: after the one barrier a chunk the block adds the warps' sums (in warp order) while the
+// next chunk fills the other buffer; the barrier after that chunk orders the buffer's reuse.
 template <typename T, int VW, bool kMasked, int kMaxThreads>
 __global__ void __launch_bounds__(kMaxThreads, 1024 / kMaxThreads)
     joint_backward_kernel(const T* __restrict__ grad, const uint8_t* __restrict__ mask, Layout l, double scale,
@@ -662,7 +662,7 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
       // block (99 KB on sm_86/sm_89): those keep the 64-row plan.
       auto smem_of = [](int rows) { return size_t{2} * kUChunk * (rows / 4) * (kLanes * VW) * sizeof(A); };
       const bool one_tile = T > kBackwardTs * 64 && T <= kBackwardTs * 128 && B * l.h_chunks >= apex::sm_count() &&
-                            smem_of(128) <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+                            smem_of(128) <= apex::smem_per_block_optin();
       const int rows = T <= kBackwardTs * 32 ? 32 : one_tile ? 128 : 64;
       const int threads = kLanes * rows;
       l.t_tiles = apex::ceil_div(T, kBackwardTs * rows);

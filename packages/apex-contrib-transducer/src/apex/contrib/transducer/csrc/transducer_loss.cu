@@ -355,7 +355,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_forward_cuda(
   // The sweep keeps two diagonals of U accumulator values in shared memory: float64 input near the
   // U limit needs 128 KB, more than sm_86 / sm_89 give a block (99 KB).
   const auto acc_bytes = static_cast<int64_t>(c10::elementSize(compute_dtype(x.scalar_type())));
-  const auto smem_limit = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  const auto smem_limit = static_cast<int64_t>(apex::smem_per_block_optin());
   TORCH_CHECK_VALUE(2 * U * acc_bytes <= smem_limit, op, ": label length + 1 (", U, ") needs ", 2 * U * acc_bytes,
                     " bytes of shared memory (two lattice diagonals of ", acc_bytes,
                     "-byte values), more than this GPU gives a block (", smem_limit, ")",

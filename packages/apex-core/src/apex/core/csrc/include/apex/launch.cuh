@@ -35,6 +35,10 @@ inline int next_power_of_two(int64_t n) {
 // Multiprocessors of the current device.
 inline int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
+// The most shared memory (static plus dynamic) a block may use on the current device once a
+// kernel opts in (allow_dynamic_smem): 227 KiB on sm_90, 163 KiB on sm_80, 99 KiB on sm_86/sm_89.
+inline size_t smem_per_block_optin() { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
+
 // A value per key and device. One lock per cache, held while an entry is read, computed or
 // updated; an entry whose computation threw stays empty.
 template <typename Key, typename Value>
