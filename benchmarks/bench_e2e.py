@@ -613,6 +613,8 @@ def kernel_categories(prof) -> list[str]:
     for evt in prof.events():
         if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
+        if getattr(evt, "is_user_annotation", False) or evt.name.startswith(PHASE):
+            continue  # a range on the device's timeline (the step's phases), not a kernel
         us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         kind = kernel_kind(evt.name)
         total[kind] = total.get(kind, 0.0) + us

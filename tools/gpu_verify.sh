@@ -8,7 +8,8 @@
 #
 # APEX_DISTS="apex-normalization apex-parallel" builds, tests and benchmarks only those
 # distributions (and what they need): device time is short, and a build of everything is not
-# always wanted. APEX_BENCH_GLOB picks benchmarks; APEX_GPU_BENCH=0 skips them.
+# always wanted. APEX_BENCH_GLOB picks benchmarks; APEX_GPU_BENCH=0 skips them, APEX_GPU_TESTS=0
+# the tests (a build for a later command's own selection of tests or runs).
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: tools/gpu_verify.sh OUTDIR [pytest args]}" && cd "$1" && pwd)
 shift
@@ -99,8 +100,10 @@ cd "$ROOT"
 # 3. Tests: the packages' suites, GPU tests included (two-GPU ones run where two GPUs are visible).
 folders=()
 for line in "${order[@]}"; do folders+=("${line#* }"); done
-$PY -m pytest "${folders[@]}" -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
-[[ ${PIPESTATUS[0]} == 0 ]] || failed+=("pytest")
+if [[ ${APEX_GPU_TESTS:-1} != 0 ]]; then
+  $PY -m pytest "${folders[@]}" -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
+  [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("pytest")
+fi
 
 # 4. Benchmarks, one log (APEX_GPU_BENCH=0 skips them).
 : >"$OUT/benchmarks.log"
