@@ -29,10 +29,12 @@ def make_optimizer(name: str, params, lr: float = 1e-2):
         return torch.optim.AdamW(params, lr=lr)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=lr, fused=True)
-    if name == "fused_adam":
+    if name in ("fused_adam", "fused_sgd"):
         # apex-optimizers is optional for apex-amp (absent when apex-amp is tested alone).
-        FusedAdam = pytest.importorskip("apex.optimizers", reason="apex-optimizers is not installed").FusedAdam
-        return FusedAdam(params, lr=lr)
+        optimizers = pytest.importorskip("apex.optimizers", reason="apex-optimizers is not installed")
+        if name == "fused_sgd":
+            return optimizers.FusedSGD(params, lr=lr, momentum=0.9)
+        return optimizers.FusedAdam(params, lr=lr)
     raise ValueError(name)
 
 
@@ -313,15 +315,16 @@ def test_add_param_group_after_initialize(opt_name, half, device, make_net):
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_o2_fused_adam_matches_adamw(half, device, make_net):
+@pytest.mark.parametrize(("torch_name", "fused_name"), [("adamw", "fused_adam"), ("sgd", "fused_sgd")])
+def test_o2_fused_optimizer_matches_torch(half, torch_name, fused_name, device, make_net):
     runs = {}
-    for name in ("adamw", "fused_adam"):
+    for name in (torch_name, fused_name):
         net = make_net(device, width=32)
         opt = make_optimizer(name, net.parameters(), lr=3e-3)
         net, opt = amp.initialize(net, opt, opt_level="O2", cast_model_type=half, verbosity=0)
         stash = opt._amp_stash
-        # bf16: FusedAdam keeps the masters itself; fp16 with loss scaling: amp's fp32 masters.
-        assert stash.own_masters == (name == "fused_adam" and half == BF16)
+        # bf16: the fused optimizer keeps the masters itself; fp16 with loss scaling: amp's fp32 masters.
+        assert stash.own_masters == (name == fused_name and half == BF16)
         assert stash.amp_masters == (not stash.own_masters)
         losses = []
         for step in range(20):
@@ -334,7 +337,7 @@ def test_o2_fused_adam_matches_adamw(half, device, make_net):
             losses.append(loss.item())
         masters = [m for _, m in sorted(((id(p), m) for p, m in stash.master_pairs()), key=lambda t: t[0])]
         runs[name] = (losses, {n: p.detach().float() for n, p in net.named_parameters()}, len(masters))
-    (l1, p1, n1), (l2, p2, n2) = runs["adamw"], runs["fused_adam"]
+    (l1, p1, n1), (l2, p2, n2) = runs[torch_name], runs[fused_name]
     assert n1 == n2 == 4  # fc1 and fc2 weights and biases; batch norm is fp32 and its own master
     assert l1[-1] < 0.8 * l1[0] and l2[-1] < 0.8 * l2[0]
     torch.testing.assert_close(torch.tensor(l1), torch.tensor(l2), rtol=2e-2, atol=1e-3)

@@ -74,6 +74,34 @@ def test_mixed_dtypes_in_one_group_follow_fp32_emulation(device, config):
         assert bool(((buffer - expected).abs() <= bound + 1e-5 * expected.abs()).all())
 
 
+@pytest.mark.parametrize("dtype", REDUCED)
+@pytest.mark.parametrize("config", ["momentum_dampening_weight_decay", "nesterov", "plain"])
+def test_master_weights_follow_fp32_sgd(device, dtype, config):
+    # fp16/bf16 parameters with fp32 masters in the state: the masters follow torch's fp32 SGD on the
+    # same (16-bit) gradients, the parameters are the masters rounded; fp32 parameters get none.
+    reduced = make_params(dtype, device)
+    full = make_params(torch.float32, device, [(5, 3), (1000,)])
+    params = reduced + full
+    twins = fp32_copies(params)
+    initial = [p.detach().clone() for p in params]
+    ours = FusedSGD(params, master_weights=True, **CONFIGS[config])
+    theirs = torch.optim.SGD(twins, **CONFIGS[config])
+    run(ours, theirs, params, twins)
+    for p, t, p0 in zip(params, twins, initial):
+        state = ours.state[p]
+        if p.dtype == torch.float32:
+            assert "master_param" not in state
+            torch.testing.assert_close(p, t, **FP32_TOL)
+            continue
+        master = state["master_param"]
+        assert master.dtype == torch.float32 and master.shape == p.shape and master.device == p.device
+        torch.testing.assert_close(master, t.detach(), **FP32_TOL)
+        if p.numel():
+            assert not torch.equal(master, p0.float()), "the master weights did not move"
+        assert torch.equal(p.detach(), master.to(dtype)), "params must be the masters rounded to their dtype"
+    assert ours.param_groups_master[0]["params"][-1] is params[-1]  # an fp32 parameter is its own master
+
+
 def test_param_groups_keep_their_own_hyperparameters(device):
     group_a = dict(lr=0.1, momentum=0.5, dampening=0.5, weight_decay=0.1)
     group_b = dict(lr=0.01, momentum=0.95, nesterov=True)

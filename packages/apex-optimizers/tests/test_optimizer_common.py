@@ -37,6 +37,9 @@ OPTIMIZERS = {
     "FusedAdam-capturable": lambda params, **kw: FusedAdam(params, lr=1e-2, weight_decay=0.01, capturable=True, **kw),
     "FusedSGD": lambda params, **kw: FusedSGD(params, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
     "FusedSGD-nesterov": lambda params, **kw: FusedSGD(params, lr=0.05, momentum=0.9, nesterov=True, **kw),
+    "FusedSGD-master_weights": lambda params, **kw: FusedSGD(
+        params, lr=0.05, momentum=0.9, weight_decay=1e-3, master_weights=True, **kw
+    ),
     "FusedAdagrad": lambda params, **kw: FusedAdagrad(params, lr=0.05, weight_decay=1e-3, **kw),
     "FusedLAMB": lambda params, **kw: FusedLAMB(params, lr=1e-2, weight_decay=0.01, **kw),
     "FusedMixedPrecisionLamb": lambda params, **kw: FusedMixedPrecisionLamb(params, lr=1e-2, weight_decay=0.01, **kw),
@@ -254,7 +257,9 @@ def test_state_dict_round_trip_resumes_bitwise(device, name):
             assert loaded[key].dtype == value.dtype, f"{key} changed dtype on load"
             assert loaded[key].device == value.device, f"{key} changed device on load"
             assert torch.equal(loaded[key], value), key
-        if name in ("FusedAdam-master_weights", "FusedMixedPrecisionLamb") and p.dtype != torch.float32:
+        if name in ("FusedAdam-master_weights", "FusedSGD-master_weights", "FusedMixedPrecisionLamb") and (
+            p.dtype != torch.float32
+        ):
             assert loaded["master_param"].dtype == torch.float32
     for grads in history[steps_before:]:
         step(resumed_optimizer, list(resumed.parameters()), grads)

@@ -30,9 +30,14 @@ class FusedSGD(FusedOptimizer):
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         wd_after_momentum: apply weight decay after the momentum update instead of before.
         materialize_master_grads: accepted for compatibility with upstream Apex's amp O2 path;
-            master weights are kept by the optimizer here, so there are no separate master grads.
+            with ``master_weights`` (which amp O2 turns on for bf16 models) the update reads the
+            model's fp16/bf16 gradients directly, so there are no separate master grads.
         set_grad_none: ``zero_grad()`` sets gradients to None by default.
         maximize: maximize the objective (step along the gradient), as torch's ``maximize``.
+        master_weights: keep fp32 master copies of fp16/bf16 parameters in the optimizer state,
+            update them from the parameters' own gradients, and write the rounded result to the
+            parameters in the same kernel (upstream's FusedSGD does this under amp O2). Not in
+            upstream's signature, hence keyword-only.
     """
 
     def __init__(
@@ -48,6 +53,7 @@ class FusedSGD(FusedOptimizer):
         set_grad_none=False,
         *,
         maximize=False,
+        master_weights=False,
     ):
         check_hyperparameters("FusedSGD", lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay)
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -62,11 +68,11 @@ class FusedSGD(FusedOptimizer):
         )
         self.wd_after_momentum = wd_after_momentum
         self.materialize_master_grads = materialize_master_grads
-        super().__init__(params, defaults, set_grad_none)
+        super().__init__(params, defaults, set_grad_none, master_weights=master_weights)
 
     def _step_group(self, group, scaler):
         momentum = group["momentum"]
-        for (device, _, _, _, _), params in self._buckets(group).items():
+        for (device, _, _, has_master, _), params in self._buckets(group).items():
             host_lr, lr_tensor = self._lr(group, device)
             grad_scale, found_inf = scaler.on(device)
             # Parameters whose momentum buffer starts now take the gradient itself (first_run).
@@ -82,12 +88,13 @@ class FusedSGD(FusedOptimizer):
                 if not subset:
                     continue
                 buffers = [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else []
+                masters = [self._master(p) for p in subset] if has_master else []
                 _ops.fused_sgd(
                     self.chunk_size,
                     subset,
                     grads_of(subset),
                     buffers,
-                    [],
+                    masters,
                     host_lr,
                     group["weight_decay"],
                     momentum,
@@ -100,3 +107,10 @@ class FusedSGD(FusedOptimizer):
                     found_inf,
                     group.get("maximize", False),
                 )
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        master = state.get("master_param")
+        if master is None:
+            master = state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        return master
