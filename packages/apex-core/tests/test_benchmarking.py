@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from apex.core.benchmarking import bench_arguments, finish, markdown_table, report, verdict
+from apex.core.benchmarking import bench_arguments, environment, finish, markdown_table, report, verdict
 
 
 def test_verdict_passes_at_and_above_the_bar_only():
@@ -39,3 +42,12 @@ def test_bench_arguments_parse_the_shared_options(tmp_path):
     args = bench_arguments("bench_z", "doc", samples=7, no_compile=True).parse_args(["--out", str(tmp_path)])
     assert (args.out, args.samples, args.no_compile) == (tmp_path, 7, False)
     assert not hasattr(bench_arguments("bench_z", "doc").parse_args([]), "no_compile")
+
+
+def test_environment_sets_and_removes_variables_and_restores_them(monkeypatch):
+    monkeypatch.setenv("APEX_TEST_KEPT", "before")
+    monkeypatch.delenv("APEX_TEST_NEW", raising=False)
+    with pytest.raises(RuntimeError), environment(APEX_TEST_NEW="1", APEX_TEST_KEPT=None):
+        assert os.environ["APEX_TEST_NEW"] == "1" and "APEX_TEST_KEPT" not in os.environ
+        raise RuntimeError  # restored on the way out of an error too
+    assert "APEX_TEST_NEW" not in os.environ and os.environ["APEX_TEST_KEPT"] == "before"

@@ -11,12 +11,11 @@ first shape, from torch.profiler: which GEMM kernels cuBLASLt picked with each e
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 from torch import nn
 
-from apex.core.benchmarking import require_cuda, time_ms
+from apex.core.benchmarking import environment, require_cuda, time_ms
 from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
 DTYPE = torch.bfloat16
@@ -32,24 +31,18 @@ def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
 
 
 def timed(fn, samples: int, disable: str = "") -> float:
-    os.environ["APEX_CUBLASLT_DISABLE"] = disable
-    try:
+    with environment(APEX_CUBLASLT_DISABLE=disable):
         return time_ms([fn], samples)
-    finally:
-        os.environ.pop("APEX_CUBLASLT_DISABLE", None)
 
 
 def kernels(fn, label: str, disable: str = "") -> None:
-    os.environ["APEX_CUBLASLT_DISABLE"] = disable
-    try:
+    with environment(APEX_CUBLASLT_DISABLE=disable):
         fn()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 fn()
             torch.cuda.synchronize()
-    finally:
-        os.environ.pop("APEX_CUBLASLT_DISABLE", None)
     totals: dict[str, float] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:

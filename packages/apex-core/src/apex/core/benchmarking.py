@@ -10,11 +10,13 @@ whose header names the device, the versions, the time and the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import math
+import os
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -66,6 +68,26 @@ def time_ms(calls: Sequence[Callable[[], object]], samples: int, min_calls: int 
         end.synchronize()
         per_call.append(start.elapsed_time(end) / (rounds * len(calls)))
     return statistics.median(per_call)
+
+
+@contextlib.contextmanager
+def environment(**values: str | None) -> Iterator[None]:
+    """Environment variables set (None: removed) inside the block and restored after it: for the
+    switches kernels read on every call, such as apex-core's cuBLASLt runner's ``APEX_CUBLASLT_*``."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def copy_bandwidth_gbps(samples: int) -> float:
@@ -177,6 +199,7 @@ __all__ = [
     "bench_arguments",
     "copies_for_l2",
     "copy_bandwidth_gbps",
+    "environment",
     "finish",
     "gb_per_s",
     "markdown_table",
