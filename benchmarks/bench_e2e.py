@@ -586,7 +586,7 @@ def phase_times(prof) -> list[str]:
 
 # Device work by kind, from the kernel's name (first match wins): where a step's time goes.
 KERNEL_KINDS = (
-    ("apex kernels", ("apex_",)),
+    ("apex kernels", ("apex_", "apex::")),
     ("attention", ("flash", "sdpa", "fmha", "attention")),
     ("convolution", ("fprop", "dgrad", "wgrad", "conv", "cudnn")),
     ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "xmma")),
