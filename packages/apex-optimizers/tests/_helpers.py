@@ -150,6 +150,32 @@ def run(ours, theirs, params, twins, steps=STEPS, round_twins=False):
     return peaks
 
 
+def assert_masters_follow_torch(make_ours, torch_class, dtype, device, **hyper):
+    """fp16/bf16 parameters (and fp32 ones) under ``make_ours(params, master_weights=True, **hyper)``
+    against ``torch_class`` on fp32 twins: each 16-bit parameter's fp32 master in the state follows
+    the twin, the parameter is the master rounded to its dtype; fp32 parameters get no master.
+    Returns the optimizer and its 16-bit parameters."""
+    reduced = make_params(dtype, device)
+    params = reduced + make_params(torch.float32, device, [(5, 3), (1000,)])
+    twins = fp32_copies(params)
+    initial = [p.detach().clone() for p in params]
+    ours = make_ours(params, master_weights=True, **hyper)
+    run(ours, torch_class(twins, **hyper), params, twins)
+    for p, t, p0 in zip(params, twins, initial):
+        state = ours.state[p]
+        if p.dtype == torch.float32:
+            assert "master_param" not in state
+            torch.testing.assert_close(p, t, **FP32_TOL)
+            continue
+        master = state["master_param"]
+        assert master.dtype == torch.float32 and master.device == p.device and master.shape == p.shape
+        torch.testing.assert_close(master, t.detach(), **FP32_TOL)
+        if p.numel():
+            assert not torch.equal(master, p0.float()), "the master weights did not move"
+        assert torch.equal(p.detach(), master.to(dtype)), "params must be the masters rounded to their dtype"
+    return ours, reduced
+
+
 def assert_tensor_lr_equals_float_lr(optimizer_class, device, lr, **hyper):
     """A learning rate given as a tensor steps fp32 parameters as the same float does."""
     params = make_params(torch.float32, device)

@@ -20,6 +20,7 @@ from ._helpers import (
     STAGGERED,
     STEPS,
     assert_follows_emulation,
+    assert_masters_follow_torch,
     assert_param_groups_follow_torch,
     assert_tensor_lr_equals_float_lr,
     fp32_copies,
@@ -142,27 +143,8 @@ def test_mixed_dtypes_in_one_group_follow_fp32_emulation(device, adam_w_mode):
 
 @pytest.mark.parametrize("dtype", REDUCED)
 def test_master_weights_follow_fp32_adamw(device, dtype):
-    reduced = make_params(dtype, device)
-    full = make_params(torch.float32, device, [(5, 3), (1000,)])
-    params = reduced + full
-    twins = fp32_copies(params)
     hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-    ours = FusedAdam(params, master_weights=True, **hyper)
-    theirs = torch.optim.AdamW(twins, **hyper)
-    initial = [p.detach().clone() for p in params]
-    run(ours, theirs, params, twins)
-    for p, t, p0 in zip(params, twins, initial):
-        state = ours.state[p]
-        if p.dtype == torch.float32:
-            assert "master_param" not in state
-            torch.testing.assert_close(p, t, **FP32_TOL)
-            continue
-        master = state["master_param"]
-        assert master.dtype == torch.float32 and master.device == p.device and master.shape == p.shape
-        torch.testing.assert_close(master, t.detach(), **FP32_TOL)
-        if p.numel():
-            assert not torch.equal(master, p0.float()), "the master weights did not move"
-        assert torch.equal(p.detach(), master.to(dtype)), "params must be the masters rounded to their dtype"
+    ours, reduced = assert_masters_follow_torch(FusedAdam, torch.optim.AdamW, dtype, device, **hyper)
     # the masters hold what rounding to the parameter dtype drops
     big = reduced[-1]
     assert not torch.equal(ours.state[big]["master_param"], big.detach().float())

@@ -15,6 +15,7 @@ from ._helpers import (
     FP32_TOL,
     REDUCED,
     assert_follows_emulation,
+    assert_masters_follow_torch,
     assert_param_groups_follow_torch,
     assert_tensor_lr_equals_float_lr,
     fp32_copies,
@@ -77,28 +78,10 @@ def test_mixed_dtypes_in_one_group_follow_fp32_emulation(device, config):
 @pytest.mark.parametrize("dtype", REDUCED)
 @pytest.mark.parametrize("config", ["momentum_dampening_weight_decay", "nesterov", "plain"])
 def test_master_weights_follow_fp32_sgd(device, dtype, config):
-    # fp16/bf16 parameters with fp32 masters in the state: the masters follow torch's fp32 SGD on the
-    # same (16-bit) gradients, the parameters are the masters rounded; fp32 parameters get none.
-    reduced = make_params(dtype, device)
-    full = make_params(torch.float32, device, [(5, 3), (1000,)])
-    params = reduced + full
-    twins = fp32_copies(params)
-    initial = [p.detach().clone() for p in params]
-    ours = FusedSGD(params, master_weights=True, **CONFIGS[config])
-    theirs = torch.optim.SGD(twins, **CONFIGS[config])
-    run(ours, theirs, params, twins)
-    for p, t, p0 in zip(params, twins, initial):
-        state = ours.state[p]
-        if p.dtype == torch.float32:
-            assert "master_param" not in state
-            torch.testing.assert_close(p, t, **FP32_TOL)
-            continue
-        master = state["master_param"]
-        assert master.dtype == torch.float32 and master.shape == p.shape and master.device == p.device
-        torch.testing.assert_close(master, t.detach(), **FP32_TOL)
-        if p.numel():
-            assert not torch.equal(master, p0.float()), "the master weights did not move"
-        assert torch.equal(p.detach(), master.to(dtype)), "params must be the masters rounded to their dtype"
+    # fp16/bf16 parameters with fp32 masters in the state follow torch's fp32 SGD on the same
+    # (16-bit) gradients; fp32 parameters are their own masters.
+    ours, _ = assert_masters_follow_torch(FusedSGD, torch.optim.SGD, dtype, device, **CONFIGS[config])
+    params = ours.param_groups[0]["params"]
     assert ours.param_groups_master[0]["params"][-1] is params[-1]  # an fp32 parameter is its own master
 
 

@@ -74,20 +74,20 @@ def time_ms(calls: Sequence[Callable[[], object]], samples: int, min_calls: int 
 def environment(**values: str | None) -> Iterator[None]:
     """Environment variables set (None: removed) inside the block and restored after it: for the
     switches kernels read on every call, such as apex-core's cuBLASLt runner's ``APEX_CUBLASLT_*``."""
+
+    def put(settings: dict) -> None:
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
     saved = {name: os.environ.get(name) for name in values}
     try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        put(values)
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        put(saved)
 
 
 def copy_bandwidth_gbps(samples: int) -> float:
