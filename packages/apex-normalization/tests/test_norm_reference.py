@@ -86,3 +86,32 @@ def test_reference_computes_low_precision_in_float32():
     out, _, mean, rstd = _reference.norm_forward(x, None, None, 1, 1e-5, False, torch.bfloat16)
     assert out.dtype == torch.bfloat16 and mean.dtype == torch.float32 and rstd.dtype == torch.float32
     torch.testing.assert_close(mean.double(), x.double().mean(-1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32], ids=["dy-bf16", "dy-fp32"])
+@pytest.mark.parametrize("rows", [10, 9, 3, 0], ids=lambda r: f"{r}rows")
+def test_chunked_16_bit_layer_norm_backward_matches_float64(monkeypatch, dy_dtype, rows):
+    # The CPU layer norm backward of 16-bit rows converts them to float32 a chunk of rows at a time
+    # (_reference._CHUNK_ELEMENTS, here 3 rows): full chunks, a short last one, a single short
+    # chunk and no rows; every gradient against float64, and the same as with one chunk.
+    hidden = 48
+    monkeypatch.setattr(_reference, "_CHUNK_ELEMENTS", 3 * hidden)
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, hidden, generator=g) * 2 + 1).bfloat16()
+    dy = torch.randn(rows, hidden, generator=g).to(dy_dtype)
+    weight, bias = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+    _, mean, rstd = torch.native_layer_norm(x, [hidden], weight, bias, 1e-5)
+    mask = [True, True, True]
+    got = _reference._layer_norm_backward(dy, x, [hidden], mean, rstd, weight, bias, mask)
+    args = (x.double(), [hidden], mean.double(), rstd.double(), weight.double(), bias.double(), mask)
+    expected = torch.ops.aten.native_layer_norm_backward(dy.double(), *args)
+    for name, a, e in zip(("input", "weight", "bias"), got, expected):
+        # The input gradient in x's dtype (bf16: two ulps), the weight and bias sums in float32.
+        assert a.dtype == (torch.bfloat16 if name == "input" else torch.float32), name
+        tol = 2 * 2**-8 if name == "input" else 1e-5
+        scale = max(e.abs().max().item(), 1.0) if e.numel() else 1.0
+        torch.testing.assert_close(a.double(), e, rtol=tol, atol=tol * scale)
+    monkeypatch.setattr(_reference, "_CHUNK_ELEMENTS", 1 << 19)
+    whole = _reference._layer_norm_backward(dy, x, [hidden], mean, rstd, weight, bias, mask)
+    for a, w in zip(got, whole):
+        torch.testing.assert_close(a, w, rtol=1e-6, atol=1e-6)

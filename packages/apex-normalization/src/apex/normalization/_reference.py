@@ -241,13 +241,14 @@ def fast_norm_backward(
     return grad_input, grad_weight, grad_bias
 
 
-# float32 elements converted at a time: 1 MiB a buffer, so the two converted buffers are still in a
-# core's L2 cache when PyTorch's kernel reads them. On the 2-core dev machine (interleaved A/B in one
-# process, bf16 rows of 1024): 1 << 20 (4 MiB, read back from L3 or memory) took 1.42-1.95x
-# PyTorch's whole forward+backward at 2048 rows; with the chunk loop's per-chunk work down to two
-# copies, the kernel and two adds, 1 << 18 is 4-10% faster than 1 << 17 and 1 << 19 at 2048, 16384
-# and 65536 rows (8192 x 4096 too), and 1 << 16 loses to the loop's host time.
-_CHUNK_ELEMENTS = 1 << 18
+# float32 elements converted at a time: 2 MiB a buffer. On the 2-core dev machine (interleaved A/B
+# in one process, bf16 rows with weight and bias, forward+backward against PyTorch's): with the
+# chunk loop down to two copies and the kernel per chunk (2026-12-04), 1 << 19 was faster than
+# 1 << 18 in 9 of 9 comparisons over three runs at 2048 x 1024, 16384 x 1024 and 8192 x 4096
+# (1.13-1.28x PyTorch against 1.29-1.50x at 2048 rows), 1 << 20 was mixed and 1 << 21 slower
+# (2.5x at 2048 rows: the buffers no longer stay in cache). With the loop's earlier per-chunk
+# views and adds, 1 << 18 had been the best and 1 << 20 1.42-1.95x PyTorch at 2048 rows.
+_CHUNK_ELEMENTS = 1 << 19
 
 
 def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
@@ -284,40 +285,51 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
         grad_input = torch.empty_like(x2) if mask[0] else None
         chunk_mask = mask
         input_chunks = grad_input.split(step) if mask[0] else None
-    grad_weight = grad_bias = None
-    # The chunks' views made by four splits, not by slicing in the loop: the loop's work per chunk
-    # is then two copies, PyTorch's kernel and two adds (its host time showed at 16 chunks of 128 rows).
+    # The chunks' views made by four splits and the buffers' views made once, not in the loop: the
+    # loop's work per chunk is two copies and PyTorch's kernel (its host time showed at 8-16 chunks
+    # of 256 rows, where the whole backward takes about a millisecond); the chunks' weight and bias
+    # gradients are summed once at the end, in chunk order.
     chunks = zip(
         dy2.split(step), x2.split(step), mean.reshape(stat_shape).split(step), rstd.reshape(stat_shape).split(step)
     )
+    full = d_buffer.shape[0]
+    views = (d_buffer.view(full, hidden), x_buffer.view(full, hidden), d_buffer, x_buffer)
+    weight_parts, bias_parts = [], []
     for i, (dy_rows, x_rows, mean_rows, rstd_rows) in enumerate(chunks):
         count = dy_rows.shape[0]
-        d_view, x_view = (d_buffer, x_buffer) if count == d_buffer.shape[0] else (d_buffer[:count], x_buffer[:count])
+        if count == full:
+            d_rows, x_flat, d_view, x_view = views
+        else:  # the last chunk
+            d_view, x_view = d_buffer[:count], x_buffer[:count]
+            d_rows, x_flat = d_view.view(count, hidden), x_view.view(count, hidden)
+        d_rows.copy_(dy_rows)
+        x_flat.copy_(x_rows)
         gi, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            d_view.view(count, hidden).copy_(dy_rows).view(d_view.shape),
-            x_view.view(count, hidden).copy_(x_rows).view(x_view.shape),
-            shape,
-            mean_rows,
-            rstd_rows,
-            weight,
-            bias,
-            chunk_mask,
+            d_view, x_view, shape, mean_rows, rstd_rows, weight, bias, chunk_mask
         )
         if input_chunks is not None:
             input_chunks[i].copy_(gi.view(count, hidden))
-        if i == 0:
-            grad_weight, grad_bias = gw, gb
-        else:
-            if gw is not None:
-                grad_weight += gw
-            if gb is not None:
-                grad_bias += gb
+        if gw is not None:
+            weight_parts.append(gw)
+        if gb is not None:
+            bias_parts.append(gb)
+    grad_weight = _summed(weight_parts)
+    grad_bias = _summed(bias_parts)
     if input_chunks is not None:
         grad_input = grad_input.view(x.shape)
     if rows == 0:
         grad_weight = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[1] else None
         grad_bias = torch.zeros(shape, dtype=torch.float32, device=x.device) if mask[2] else None
     return grad_input, grad_weight, grad_bias
+
+
+def _summed(parts: list):
+    """The sum of equally shaped tensors (None for none)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return torch.stack(parts).sum(0)
 
 
 def _tiny(x, ndim) -> bool:
