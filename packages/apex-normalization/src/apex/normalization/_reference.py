@@ -288,7 +288,7 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
     # The chunks' views made by four splits and the buffers' views made once, not in the loop: the
     # loop's work per chunk is two copies and PyTorch's kernel (its host time showed at 8-16 chunks
     # of 256 rows, where the whole backward takes about a millisecond); the chunks' weight and bias
-    # gradients are summed once at the end, in chunk order.
+    # gradients are summed once at the end.
     chunks = zip(
         dy2.split(step), x2.split(step), mean.reshape(stat_shape).split(step), rstd.reshape(stat_shape).split(step)
     )

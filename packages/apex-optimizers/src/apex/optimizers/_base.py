@@ -167,10 +167,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if not self.master_weights:
                     masters.append(None)
                 elif p.dtype in _REDUCED:
-                    state = self.state[p]
-                    if "master_param" not in state:
-                        state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
-                    masters.append(state["master_param"])
+                    masters.append(self._master_param(p))
                 else:
                     masters.append(p)
             groups.append({"params": masters})
@@ -287,9 +284,17 @@ class FusedOptimizer(torch.optim.Optimizer):
         for name in names:
             if name not in state:
                 state[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        if self.master_weights and p.dtype in _REDUCED and "master_param" not in state:
-            state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        if self.master_weights and p.dtype in _REDUCED:
+            self._master_param(p)
         return state
+
+    def _master_param(self, p: torch.Tensor) -> torch.Tensor:
+        """The parameter's fp32 master copy in its state, made from the parameter on first use."""
+        state = self.state[p]
+        master = state.get("master_param")
+        if master is None:
+            master = state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
+        return master
 
     def _bucket_inputs(self, group: dict, scaler, *state_names: str) -> Iterator[_Bucket]:
         """Per bucket of ``group``, what its op call takes; the states ``state_names`` are made on first use."""

@@ -88,7 +88,7 @@ class FusedSGD(FusedOptimizer):
                 if not subset:
                     continue
                 buffers = [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else []
-                masters = [self._master(p) for p in subset] if has_master else []
+                masters = [self._master_param(p) for p in subset] if has_master else []
                 _ops.fused_sgd(
                     self.chunk_size,
                     subset,
@@ -107,10 +107,3 @@ class FusedSGD(FusedOptimizer):
                     found_inf,
                     group.get("maximize", False),
                 )
-
-    def _master(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        master = state.get("master_param")
-        if master is None:
-            master = state["master_param"] = p.detach().float().clone(memory_format=torch.preserve_format)
-        return master
