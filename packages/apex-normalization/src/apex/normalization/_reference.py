@@ -276,9 +276,11 @@ def _layer_norm_backward(dy, x, shape, mean, rstd, weight, bias, mask):
         # weight gradients from its float32 kernel told to skip the input gradient, a chunk at a
         # time: two conversions and one fused pass per chunk (summing them here in float32
         # passes took 1.3-2.6x PyTorch's whole backward).
-        grad_input = torch.ops.aten.native_layer_norm_backward(
-            dy, x, shape, mean, rstd, weight, bias, [True, False, False]
-        )[0]
+        grad_input = None
+        if mask[0]:
+            grad_input = torch.ops.aten.native_layer_norm_backward(
+                dy, x, shape, mean, rstd, weight, bias, [True, False, False]
+            )[0]
         chunk_mask = [False, mask[1], mask[2]]
         input_chunks = None
     else:
