@@ -20,7 +20,10 @@ Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, op
   (each saves its output, which the next linear layer holds anyway, instead of the residual stream),
   ``fused_apply_rotary_pos_emb``,
   ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
-  backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50);
+  backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50); ResNet-50 keeps
+  torchvision's ``nn.BatchNorm2d`` and ReLUs (``--resnet-bn apex``: ``apex.parallel.SyncBatchNorm``,
+  one process, with the ReLU after each norm fused and each bottleneck's residual add too; faster
+  eager, slower compiled: BENCHMARKS.md);
 - ``apex-compiled``: the apex stack with the model and its loss under ``torch.compile``.
 
 Attention is ``F.scaled_dot_product_attention(is_causal=True)`` in every stack. Clipping and the
@@ -69,6 +72,7 @@ from apex.core.benchmarking import markdown_table, report, require_cuda, time_ms
 from apex.fused_dense import FusedDenseGeluDense
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.optimizers import FusedAdam, FusedSGD
+from apex.parallel import SyncBatchNorm
 from apex.transformer.functional import fused_apply_rotary_pos_emb
 
 NAME = "bench_e2e"
@@ -295,6 +299,39 @@ class ImageConfig:
     tiny: bool = False
 
 
+def apex_batch_norms(net: nn.Module) -> nn.Module:
+    """A torchvision bottleneck ResNet with apex's batch norm: every ``nn.BatchNorm2d`` becomes a
+    :class:`SyncBatchNorm` with the same state, the ReLU after the stem's norm and after each
+    bottleneck's first two is fused into them (``fuse_relu``), and each bottleneck's last norm also
+    takes the residual add (``z``). Any other model is returned as it is."""
+    try:
+        from torchvision.models.resnet import Bottleneck, ResNet
+    except ImportError:
+        return net
+    blocks = [m for layer in (getattr(net, f"layer{i}", ()) for i in range(1, 5)) for m in layer]
+    if not isinstance(net, ResNet) or not all(isinstance(b, Bottleneck) for b in blocks):
+        return net
+
+    def swap(bn: nn.BatchNorm2d, relu: bool) -> SyncBatchNorm:
+        new = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, fuse_relu=relu)
+        new.load_state_dict(bn.state_dict())
+        return new.to(bn.weight.device)
+
+    def forward(block, x: torch.Tensor) -> torch.Tensor:
+        identity = x if block.downsample is None else block.downsample(x)
+        out = block.bn2(block.conv2(block.bn1(block.conv1(x))))
+        return block.bn3(block.conv3(out), identity)  # relu(bn3(conv3(out)) + identity)
+
+    fused = type("FusedBottleneck", (Bottleneck,), {"forward": forward})
+    net.bn1, net.relu = swap(net.bn1, True), nn.Identity()
+    for block in blocks:
+        block.bn1, block.bn2, block.bn3 = (swap(bn, True) for bn in (block.bn1, block.bn2, block.bn3))
+        if block.downsample is not None:
+            block.downsample[1] = swap(block.downsample[1], False)
+        block.__class__ = fused
+    return net
+
+
 def resnet(cfg: ImageConfig) -> tuple[Callable[[], nn.Module], str]:
     """torchvision's ResNet-50 (its constructor and name), or for smoke runs its smallest bottleneck
     ResNet, or our stand-in where torchvision is not installed."""
@@ -380,7 +417,7 @@ def image_batches(cfg: ImageConfig, device: torch.device, count: int, seed: int)
     return batches
 
 
-def model_spec(name: str, smoke: bool, seed: int) -> ModelSpec:
+def model_spec(name: str, smoke: bool, seed: int, resnet_bn: str = "torch") -> ModelSpec:
     if name in ("gpt2", "llama1b"):
         if name == "gpt2":
             cfg = TransformerConfig(vocab=50304, seq=1024, batch=16, layers=12, width=768, heads=12)
@@ -410,7 +447,7 @@ def model_spec(name: str, smoke: bool, seed: int) -> ModelSpec:
             name,
             "images",
             cfg,
-            lambda kit: Classifier(net(), kit),
+            lambda kit: Classifier(apex_batch_norms(net()) if kit.apex and resnet_bn == "apex" else net(), kit),
             lambda device, count: image_batches(cfg, device, count, seed),
             "sgd",
             lr=0.05,
@@ -690,7 +727,7 @@ class Result:
 
 def run_model(name: str, stacks: list[str], args, device: torch.device) -> Result:
     start = time.perf_counter()
-    spec = model_spec(name, args.smoke, args.seed)
+    spec = model_spec(name, args.smoke, args.seed, args.resnet_bn)
     print(f"{name}: {spec.describe}; building {', '.join(stacks)}", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     with torch.device(device):
@@ -902,6 +939,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-pool", type=int, default=8, help="distinct batches cycled through (same for all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss-rtol", type=float, default=0.03, help="late-step losses agree within this fraction")
+    p.add_argument(
+        "--resnet-bn",
+        choices=("apex", "torch"),
+        default="torch",
+        help="the apex stacks' ResNet-50 batch norms: torch's, or apex SyncBatchNorm with fused ReLU and residual add",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny models, 1 step per turn, 1 round; CPU allowed")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cpu only with --smoke")
     p.add_argument(

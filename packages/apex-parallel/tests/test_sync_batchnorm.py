@@ -449,3 +449,38 @@ def test_torch_compile_module_fullgraph(layout):
         outs.append((out.detach(), xi.grad, module.weight.grad, module.running_mean.clone()))
     for a, b in zip(*outs):
         close(b, a, torch.bfloat16, "compiled vs eager")
+
+
+class _FusedBottleneck(torch.nn.Module):
+    """Convolutions between fused batch norms, as a channels-last ResNet bottleneck uses them: the
+    norms' saved inputs are (N, H, W, C) views of convolution outputs laid out by Inductor."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(channels, channels, 1, bias=False)
+        self.bn1 = SyncBatchNorm(channels, fuse_relu=True)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = SyncBatchNorm(channels, fuse_relu=True)
+        self.conv3 = torch.nn.Conv2d(channels, channels, 1, bias=False)
+        self.bn3 = SyncBatchNorm(channels, fuse_relu=True)
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.bn1(self.conv1(x))))
+        return self.bn3(self.conv3(out), x)
+
+
+def test_torch_compile_between_channels_last_convolutions(device):
+    """Compiled as eager. On the H200 a whole channels-last ResNet-50 failed to compile before the
+    ops carried the contiguous-inputs tag (Inductor's layout optimization: the backward graph's
+    fake tensor propagation gave relu_backward_c_last a non-contiguous saved input)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(_FusedBottleneck(16), _FusedBottleneck(16)).to(device)
+    net = net.to(memory_format=torch.channels_last)
+    x = torch.randn(4, 16, 7, 7, device=device).to(memory_format=torch.channels_last)
+    results = []
+    for fn in (net, torch.compile(copy.deepcopy(net), fullgraph=True)):
+        out = fn(x)  # x needs no gradient: the first block's input is a leaf without one
+        out.sum().backward()
+        results.append([out.detach()] + [p.grad for p in getattr(fn, "_orig_mod", fn).parameters()])
+    for a, b in zip(*results):
+        close(b, a, torch.float32, "compiled vs eager")

@@ -91,11 +91,19 @@ def _binder(overload, name: str) -> Callable[[tuple, dict], Args]:
     return bind
 
 
-def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: Callable | None = None):
+def op(
+    lib: KernelLibrary,
+    schema: str,
+    *,
+    check: Callable | None = None,
+    fake: Callable | None = None,
+    tags: tuple = (),
+):
     """Decorator: define ``schema`` in ``lib``'s namespace with the decorated reference; return the op.
 
     See the module docstring for what ``check``, the reference and ``fake`` receive. A fake is
-    required unless the op returns nothing.
+    required unless the op returns nothing. ``tags`` are the op's ``torch.Tag`` values (for
+    Inductor's layout of its inputs: :data:`CONTIGUOUS_INPUTS`).
     """
     name = schema.split("(", 1)[0].strip()
     returns_nothing = schema.rsplit("->", 1)[1].strip() == "()"
@@ -105,7 +113,11 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
 
     def decorate(reference: Callable):
         library = _library(lib)
-        library.define(schema)
+        library.define(schema, tags=tags)
+        # Under torch.compile a graph's fake tensors may carry strides that Inductor changes to
+        # contiguous ones for such an op before it runs (a saved activation laid out by the forward
+        # graph): the check and fake see the inputs as the kernel will.
+        contiguous_inputs = any(t in tags for t in CONTIGUOUS_INPUTS)
         overload = getattr(getattr(torch.ops, lib.name), name).default
         bind = _binder(overload, name)
 
@@ -138,6 +150,9 @@ def op(lib: KernelLibrary, schema: str, *, check: Callable | None = None, fake: 
         def run_fake(*args, **kwargs):
             if _inductor_pending and "torch._inductor.lowering" in sys.modules:
                 _register_inductor_fallbacks()
+            if contiguous_inputs:  # the kernel will get them contiguous (the tag's promise)
+                args = tuple(x.contiguous() if isinstance(x, torch.Tensor) else x for x in args)
+                kwargs = {k: x.contiguous() if isinstance(x, torch.Tensor) else x for k, x in kwargs.items()}
             a = bind(args, kwargs)
             if check is not None:
                 check(a)
@@ -192,6 +207,13 @@ def _register_inductor_fallbacks() -> None:
                 stacklevel=2,
             )
             return
+
+
+# The tags of an op whose kernels take contiguous tensors only: under torch.compile Inductor then
+# hands them contiguous inputs (it may otherwise lay out an intermediate, e.g. a permuted view of a
+# channels-last activation saved for the backward, in strides the eager run did not have). Empty on
+# a torch without the tag.
+CONTIGUOUS_INPUTS = tuple(t for t in (getattr(torch.Tag, "needs_contiguous_strides", None),) if t is not None)
 
 
 def direct(overload) -> Callable:

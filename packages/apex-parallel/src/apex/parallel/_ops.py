@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from apex.core import checks
-from apex.core.library import op
+from apex.core.library import CONTIGUOUS_INPUTS, op
 from apex.parallel import _reference
 from apex.parallel._plugin import KERNELS
 
@@ -144,7 +144,9 @@ def _contiguous(*tensors):
 
 def _in_both_layouts(name: str, signature: str, reference, **helpers):
     """The op ``name`` and its channels-last twin ``name_c_last``, which share everything but the name."""
-    return tuple(op(KERNELS, f"{n}{signature}", **helpers)(reference) for n in (name, f"{name}_c_last"))
+    return tuple(
+        op(KERNELS, f"{n}{signature}", tags=CONTIGUOUS_INPUTS, **helpers)(reference) for n in (name, f"{name}_c_last")
+    )
 
 
 # welford_mean_var ------------------------------------------------------------------------------
@@ -222,6 +224,7 @@ def welford_parallel(a):
     "batch_norm_forward(Tensor input, Tensor mean, Tensor invstd, Tensor? weight, Tensor? bias) -> Tensor",
     check=lambda a: _check_stats(a, a.bias),
     fake=_like_input,
+    tags=CONTIGUOUS_INPUTS,
 )
 def batch_norm_forward(a):
     return _reference.batch_norm_forward(a.input, None, a.mean, a.invstd, a.weight, a.bias, False, False).contiguous()
@@ -238,6 +241,7 @@ def _check_forward_c_last(a) -> None:
     "bool fuse_relu=False) -> Tensor",
     check=_check_forward_c_last,
     fake=_like_input,
+    tags=CONTIGUOUS_INPUTS,
 )
 def batch_norm_forward_c_last(a):
     y = _reference.batch_norm_forward(a.input, a.z, a.mean, a.invstd, a.weight, a.bias, a.fuse_relu, True)
@@ -316,6 +320,7 @@ def _check_relu_backward(a) -> None:
     "Tensor? bias) -> Tensor",
     check=_check_relu_backward,
     fake=_like_input,
+    tags=CONTIGUOUS_INPUTS,
 )
 def relu_backward_c_last(a):
     masked = _reference.relu_backward(a.grad_output, a.input, a.z, a.mean, a.invstd, a.weight, a.bias, True)
