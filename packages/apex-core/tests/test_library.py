@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apex.core.descriptors import KernelLibrary
-from apex.core.library import autograd, direct, op, plain_cpu
+from apex.core.library import CONTIGUOUS_INPUTS, autograd, direct, op, plain_cpu
 
 LIB = KernelLibrary(name="apex_core_library_test", package="apex_core_library_test", sources=())
 calls = {"check": 0}
@@ -47,6 +47,22 @@ def _check_add(a):
 @op(LIB, "add_(Tensor(a!) out, Tensor x, *, float alpha=1.0) -> ()", check=_check_add)
 def add_(a):
     a.out.add_(a.x, alpha=a.alpha)
+
+
+def _check_dense(a):
+    if not a.x.is_contiguous():
+        raise ValueError(f"{a.op}: x is not contiguous")
+
+
+@op(
+    LIB,
+    "dense_double(Tensor x) -> Tensor",
+    check=_check_dense,
+    fake=lambda a: torch.empty_like(a.x),
+    tags=CONTIGUOUS_INPUTS,
+)
+def dense_double(a):
+    return 2 * a.x
 
 
 def _setup_context(ctx, inputs, output):
@@ -108,6 +124,18 @@ def test_the_fake_runs_the_check_and_is_derived_for_an_in_place_op():
         assert add_(torch.empty(6, 2), x) is None
         with pytest.raises(ValueError, match="add_: out has shape"):
             add_(torch.empty(1), x)
+
+
+@pytest.mark.skipif(not CONTIGUOUS_INPUTS, reason="this torch has no needs_contiguous_strides tag")
+def test_an_op_tagged_for_contiguous_inputs_has_the_tag_and_its_fake_sees_them_contiguous():
+    overload = torch.ops.apex_core_library_test.dense_double.default
+    assert torch.Tag.needs_contiguous_strides in overload.tags
+    strided = torch.randn(4, 6).t()  # what a graph's fake tensor may carry; the kernel gets a copy
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        out = overload(mode.from_tensor(strided))
+    assert out.shape == (6, 4) and out.is_contiguous()
+    with pytest.raises(ValueError, match="x is not contiguous"):  # a real call still checks
+        overload(strided)
 
 
 def test_opcheck_passes_for_both_ops():
