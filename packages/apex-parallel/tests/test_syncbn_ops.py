@@ -111,6 +111,55 @@ def test_forward_backward_ops(device, shape, channel_last, dtype):
         assert_close(masked, ref_masked, dtype, "relu_backward")
 
 
+FUSED_SHAPES = [s for s, last in SHAPES if last] + [(0, 6), (5, 0, 4)]
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", FUSED_SHAPES, ids=["x".join(map(str, s)) for s in FUSED_SHAPES])
+def test_fused_relu_backward_ops(device, shape, dtype):
+    """reduce_bn_relu_c_last and batch_norm_backward_relu_c_last against float64 references of
+    relu_backward followed by reduce_bn / batch_norm_backward, and against our unfused ops, with and
+    without z, with and without z's gradient."""
+    x, dy, z, weight, bias = make_case(device, shape, True, dtype)
+    c = shape[-1]
+    mean, var = OPS.welford_mean_var_c_last(x)
+    count = torch.tensor([x.numel() / max(c, 1)], device=device)
+    mean, invstd = OPS.welford_parallel(mean[None], var[None], count, 1e-5)
+    sums_dtype = torch.float32 if dtype in (torch.float32, torch.float64) else torch.float16
+
+    def near(actual, expected, tol_dtype, what):
+        if actual.dtype == torch.float64:  # float64 to float64 accuracy (float32 weights' gradients: float32)
+            torch.testing.assert_close(actual.double(), expected, rtol=1e-10, atol=1e-10, msg=lambda m: f"{what}: {m}")
+        else:
+            assert_close(actual, expected, tol_dtype, what)
+
+    for zi in (z, None):
+        args = (mean, invstd, weight, bias)
+        args64 = (f64(mean), f64(invstd), f64(weight), f64(bias))
+        masked64 = _reference.relu_backward(f64(dy), f64(x), f64(zi), *args64, True)
+        sums = OPS.reduce_bn_relu_c_last(dy, x, zi, *args)
+        ref = _reference.reduce_bn(masked64, f64(x), args64[0], args64[1], args64[2], True)
+        for name, actual, expected in zip(("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias"), sums, ref):
+            near(actual, expected, sums_dtype, name)
+        masked = OPS.relu_backward_c_last(dy, x, zi, *args)
+        unfused = OPS.reduce_bn_c_last(masked, x, mean, invstd, weight)
+        for a, e in zip(sums, unfused):
+            torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6 * (1 + e.abs().max().item() if e.numel() else 1))
+        for want_z in (True, False):
+            grad_input, grad_z = OPS.batch_norm_backward_relu_c_last(dy, x, zi, *args, sums[0], sums[1], count, want_z)
+            ref_grad = _reference.batch_norm_backward(
+                masked64, f64(x), args64[0], args64[1], args64[2], ref[0], ref[1], count.double(), True
+            )
+            assert grad_input.dtype == dtype and grad_input.shape == x.shape
+            near(grad_input, ref_grad, dtype, "grad_input")
+            unfused_grad = OPS.batch_norm_backward_c_last(masked, x, mean, invstd, weight, sums[0], sums[1], count)
+            torch.testing.assert_close(grad_input, unfused_grad)
+            if want_z:
+                torch.testing.assert_close(grad_z, masked, rtol=0, atol=0)  # the mask: exact
+            else:
+                assert grad_z.numel() == 0
+
+
 @pytest.mark.parametrize(("shape", "channel_last"), SHAPES, ids=SHAPE_IDS)
 def test_float64_ops(device, shape, channel_last):
     """float64 input (as upstream's Python SyncBatchNorm takes it): statistics, sums and gradients in
@@ -333,6 +382,19 @@ def opcheck_cases(device):
             (dyl, xl, mean, invstd, None, mean.clone(), var.clone(), count),
         ),
         "relu_backward_c_last": (OPS.relu_backward_c_last.default, (dyl, xl, zl, mean, invstd, weight, bias)),
+        "reduce_bn_relu_c_last": (OPS.reduce_bn_relu_c_last.default, (dyl, xl, zl, mean, invstd, weight, bias)),
+        "reduce_bn_relu_c_last-no-z": (
+            OPS.reduce_bn_relu_c_last.default,
+            (dyl, xl, None, mean, invstd, None, None),
+        ),
+        "batch_norm_backward_relu_c_last": (
+            OPS.batch_norm_backward_relu_c_last.default,
+            (dyl, xl, zl, mean, invstd, weight, bias, mean.clone(), var.clone(), count, True),
+        ),
+        "batch_norm_backward_relu_c_last-no-z": (
+            OPS.batch_norm_backward_relu_c_last.default,
+            (dyl, xl, None, mean, invstd, weight, None, mean.clone(), var.clone(), count, False),
+        ),
         # float64: float64 statistics and sums (the fakes follow the input's dtype)
         "welford_mean_var-float64": (OPS.welford_mean_var.default, (x.double(),)),
         "welford_parallel-float64": (
@@ -439,6 +501,26 @@ def bad_cases(device):
             lambda: OPS.batch_norm_backward_c_last(dy, x, stat[:3], stat[:3], None, stat, stat[:3], count),
             ValueError,
             r"batch_norm_backward_c_last: sum_dy has shape \(4,\), expected \(3,\)",
+        ),
+        (
+            "fused relu: z shape",
+            lambda: OPS.reduce_bn_relu_c_last(dy, x, z[:1], stat[:3], stat[:3], None, None),
+            ValueError,
+            r"reduce_bn_relu_c_last: z has shape \(1, 4, 5, 3\) but input has \(3, 4, 5, 3\)",
+        ),
+        (
+            "fused relu: grad_output dtype",
+            lambda: OPS.batch_norm_backward_relu_c_last(
+                dy.half(), x, None, stat[:3], stat[:3], None, None, stat[:3], stat[:3], count
+            ),
+            TypeError,
+            r"batch_norm_backward_relu_c_last: grad_output has dtype torch.float16 but input has torch.float32",
+        ),
+        (
+            "fused relu: bias without weight",
+            lambda: OPS.reduce_bn_relu_c_last(dy, x, None, stat[:3], stat[:3], None, bias[:3]),
+            ValueError,
+            r"reduce_bn_relu_c_last: bias given without weight",
         ),
         (
             "count per rank",

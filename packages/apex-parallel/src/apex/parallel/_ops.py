@@ -325,3 +325,61 @@ def _check_relu_backward(a) -> None:
 def relu_backward_c_last(a):
     masked = _reference.relu_backward(a.grad_output, a.input, a.z, a.mean, a.invstd, a.weight, a.bias, True)
     return masked.contiguous()
+
+
+# reduce_bn_relu_c_last, batch_norm_backward_relu_c_last ------------------------------------------
+# The backward of a norm with a fused ReLU (forward's fuse_relu) in two passes instead of three:
+# relu_backward_c_last's masking (where bn(x) [+ z] <= 0, recomputed) done inside the reduction and
+# the input gradient's kernel, so the masked gradient is only written when z needs it. Same values as
+# relu_backward_c_last followed by reduce_bn_c_last / batch_norm_backward_c_last.
+
+
+def _masked(a) -> torch.Tensor:
+    return _reference.relu_backward(a.grad_output, a.input, a.z, a.mean, a.invstd, a.weight, a.bias, True)
+
+
+@op(
+    KERNELS,
+    "reduce_bn_relu_c_last(Tensor grad_output, Tensor input, Tensor? z, Tensor mean, Tensor invstd, Tensor? weight, "
+    "Tensor? bias) -> (Tensor sum_dy, Tensor sum_dy_xmu, Tensor grad_weight, Tensor grad_bias)",
+    check=_check_relu_backward,
+    fake=_reduce_bn_fake,
+    tags=CONTIGUOUS_INPUTS,
+)
+def reduce_bn_relu_c_last(a):
+    sum_dy, sum_dy_xmu, grad_weight, grad_bias = _reference.reduce_bn(
+        _masked(a), a.input, a.mean, a.invstd, a.weight, True
+    )
+    if grad_weight is None:
+        grad_weight, grad_bias = _empty_stat(a.input), _empty_stat(a.input)
+    return _contiguous(sum_dy, sum_dy_xmu, grad_weight, grad_bias)
+
+
+def _check_backward_relu(a) -> None:
+    _check_relu_backward(a)
+    _check_channel_stat(a, "sum_dy")
+    _check_channel_stat(a, "sum_dy_xmu")
+    _check_count(a.op, a.count, a.input.device)
+
+
+def _backward_relu_fake(a):
+    grad_z = _like_input(a) if a.grad_z else a.input.new_empty((0,))
+    return _like_input(a), grad_z
+
+
+@op(
+    KERNELS,
+    "batch_norm_backward_relu_c_last(Tensor grad_output, Tensor input, Tensor? z, Tensor mean, Tensor invstd, "
+    "Tensor? weight, Tensor? bias, Tensor sum_dy, Tensor sum_dy_xmu, Tensor count, bool grad_z=False) -> "
+    "(Tensor grad_input, Tensor grad_z)",
+    check=_check_backward_relu,
+    fake=_backward_relu_fake,
+    tags=CONTIGUOUS_INPUTS,
+)
+def batch_norm_backward_relu_c_last(a):
+    masked = _masked(a)
+    grad_input = _reference.batch_norm_backward(
+        masked, a.input, a.mean, a.invstd, a.weight, a.sum_dy, a.sum_dy_xmu, a.count, True
+    )
+    grad_z = masked.contiguous() if a.grad_z else a.input.new_empty((0,))
+    return grad_input.contiguous(), grad_z

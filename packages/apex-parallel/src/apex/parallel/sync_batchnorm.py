@@ -65,6 +65,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_output):
         input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
         grad_output = grad_output.contiguous()
+        if ctx.relu and ctx.needs_input_grad[0]:
+            return SyncBatchNormFunction._relu_backward(ctx, grad_output, input, z, weight, bias, mean, invstd, count)
         if ctx.relu:
             grad_output = _ops.relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)
         grad_z = grad_output if z is not None and ctx.needs_input_grad[1] else None
@@ -84,6 +86,29 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = grad_weight if ctx.needs_input_grad[2] else None
             grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
         return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+    @staticmethod
+    def _relu_backward(ctx, grad_output, input, z, weight, bias, mean, invstd, count):
+        """The backward with a fused ReLU: relu's derivative inside the reduction and the input
+        gradient's kernel (two passes over the tensors, not three); z's gradient, the masked
+        gradient, comes from the second."""
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _ops.reduce_bn_relu_c_last(
+            grad_output, input, z, mean, invstd, weight, bias
+        )
+        if ctx.world > 1:
+            sums = torch.cat([sum_dy, sum_dy_xmu])
+            dist.all_reduce(sums, group=ctx.group)
+            sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
+        want_z = z is not None and ctx.needs_input_grad[1]
+        grad_input, grad_z = _ops.batch_norm_backward_relu_c_last(
+            grad_output, input, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, want_z
+        )
+        if weight is None:
+            grad_weight = grad_bias = None
+        else:
+            grad_weight = grad_weight if ctx.needs_input_grad[2] else None
+            grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
+        return grad_input, grad_z if want_z else None, grad_weight, grad_bias, *(None,) * 8
 
 
 class SyncBatchNorm(_BatchNorm):

@@ -36,6 +36,17 @@ struct SumsOut {
   SumPair<A>* partial;  // [chunks, C] or null
 };
 
+// What relu's derivative needs in the fused kernels (reduce_bn_relu_c_last,
+// batch_norm_backward_relu_c_last): the pre-activation bn(x) [+ z] recomputed from the forward's
+// statistics, as relu_backward_c_last does, so that the masked gradient is never written out.
+template <typename T, typename W, typename A>
+struct ReluInputs {
+  const T* z;  // may be null
+  const A* invstd;
+  const W* weight;  // may be null
+  const W* bias;    // may be null
+};
+
 template <typename W, typename A>
 __device__ __forceinline__ void write_sums(const SumsOut<W, A>& out, A dy, A dy_xmu, int64_t chunk, int64_t c,
                                            int64_t channels) {
@@ -96,19 +107,26 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) write_sums(out, sum_dy, sum_dy_xmu, chunk, c, channels);
 }
 
-template <typename T, typename W, int V, typename A = acc_t<T>>
+template <typename T, typename W, int V, bool RELU, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads)
     reduce_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input, const A* __restrict__ mean,
-                         int64_t rows, int64_t channels, SumsOut<W, A> out) {
+                         int64_t rows, int64_t channels, SumsOut<W, A> out, ReluInputs<T, W, A> relu) {
   __shared__ SumPair<A> shared[kThreads * V];
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const bool active = cu * V < channels;
   A m[V];
+  A scale[V];  // RELU: the forward's scale and shift, for the pre-activation
+  A shift[V];
   SumPair<A> sums[V];
 #pragma unroll
   for (int k = 0; k < V; ++k) {
-    m[k] = active ? mean[cu * V + k] : A(0);
+    const int64_t c = cu * V + k;
+    m[k] = active ? mean[c] : A(0);
     sums[k] = SumPair<A>{A(0), A(0)};
+    if constexpr (RELU) {
+      scale[k] = active ? relu.invstd[c] * load_or(relu.weight, c, A(1)) : A(0);
+      shift[k] = active ? load_or(relu.bias, c, A(0)) : A(0);
+    }
   }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
@@ -121,6 +139,16 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t offset = (r + u * row_step) * channels + cu * V;
         load_values<V>(x[u], input + offset);
         load_values<V>(dy[u], grad_output + offset);
+        if constexpr (RELU) {
+          A z[V];
+          if (relu.z != nullptr) load_values<V>(z, relu.z + offset);
+#pragma unroll
+          for (int k = 0; k < V; ++k) {
+            A y = (x[u][k] - m[k]) * scale[k] + shift[k];
+            if (relu.z != nullptr) y += z[k];
+            dy[u][k] = y > A(0) ? dy[u][k] : A(0);
+          }
+        }
       } else {
 #pragma unroll
         for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = A(0);
@@ -185,13 +213,18 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
   }
 }
 
+// relu (channels-last only): grad_output masked where bn(x) [+ z] <= 0 on the fly.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op, const at::Tensor& grad_output,
                                                                   const at::Tensor& input, const at::Tensor& mean,
                                                                   const at::Tensor& invstd,
                                                                   const std::optional<at::Tensor>& weight,
-                                                                  bool channel_last) {
-  const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
+                                                                  bool channel_last, bool relu = false,
+                                                                  const std::optional<at::Tensor>& z = std::nullopt,
+                                                                  const std::optional<at::Tensor>& bias = std::nullopt) {
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, bias, channel_last);
   checks::like_input(op, "grad_output", grad_output, input);
+  const at::Tensor* zt = optional_tensor(z);
+  if (zt != nullptr) checks::like_input(op, "z", *zt, input);
   const c10::cuda::CUDAGuard device_guard(input.device());
   const auto f32 = input.options().dtype(stat_dtype(input.scalar_type()));  // the statistics' dtype
   const at::Tensor* w = optional_tensor(weight);
@@ -214,6 +247,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
     using A = acc_t<T>;
     const T* x = static_cast<const T*>(input.const_data_ptr());
     const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
+    const T* zp = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
+    const ReluInputs<T, W, A> relu_inputs{zp, invstd.const_data_ptr<A>(), optional_ptr<W>(weight),
+                                          optional_ptr<W>(bias)};
     SumsOut<W, A> out{sum_dy.data_ptr<A>(),
                       sum_dy_xmu.data_ptr<A>(),
                       w != nullptr ? static_cast<W*>(grad_weight.data_ptr()) : nullptr,
@@ -246,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
         finish(chunks);
       });
     } else {
-      dispatch_vector<T>(pick_vector<T>(channels, {x, dy}), [&](auto v) {
+      dispatch_vector<T>(pick_vector<T>(channels, {x, dy, zp}), [&](auto v) {
         constexpr int V = decltype(v)::value;
         const int64_t rows = per_channel;
         const TileShape tile = tile_shape(channels / V);
@@ -255,8 +291,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
             std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll), 65535);
         partials(chunks);
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
-        reduce_channels_last<T, W, V><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
-            dy, x, mean.const_data_ptr<A>(), rows, channels, out);
+        if (relu) {
+          reduce_channels_last<T, W, V, true><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
+              dy, x, mean.const_data_ptr<A>(), rows, channels, out, relu_inputs);
+        } else {
+          reduce_channels_last<T, W, V, false><<<grid, dim3(tile.bx, tile.by), 0, stream>>>(
+              dy, x, mean.const_data_ptr<A>(), rows, channels, out, relu_inputs);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         finish(chunks);
       });
@@ -279,6 +320,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_c_last_cuda
   return reduce("reduce_bn_c_last", grad_output, input, mean, invstd, weight, true);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_relu_c_last_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& z,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias) {
+  return reduce("reduce_bn_relu_c_last", grad_output, input, mean, invstd, weight, true, true, z, bias);
+}
+
 // batch_norm_backward -------------------------------------------------------------------------
 
 template <typename T, typename W, typename A = acc_t<T>>
@@ -294,6 +342,10 @@ struct BackwardParams {
   int64_t count_size;
   int64_t count_stride;
   T* grad_input;
+  // relu (channels-last): the masked gradient's inputs, and where it goes for z (may be null)
+  const T* z;
+  const W* bias;
+  T* grad_z;
 };
 
 // Per channel: dx = (dy - mean_dy - (x - mean) * factor) * scale.
@@ -351,7 +403,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename T, typename W, int V, typename A = acc_t<T>>
+template <typename T, typename W, int V, bool RELU, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParams<T, W> p, int64_t rows,
                                                                    int64_t channels) {
   __shared__ A shared[apex::kWarpSize];
@@ -359,8 +411,12 @@ __global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParam
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (cu * V >= channels) return;
   BackwardCoefficients<A> k[V];
+  A shift[V];  // RELU: the pre-activation is (x - mean) * scale + shift [+ z], scale = k.scale
 #pragma unroll
-  for (int e = 0; e < V; ++e) k[e] = coefficients(p, cu * V + e, inv_count);
+  for (int e = 0; e < V; ++e) {
+    k[e] = coefficients(p, cu * V + e, inv_count);
+    if constexpr (RELU) shift[e] = load_or(p.bias, cu * V + e, A(0));
+  }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
     A x[kUnroll][V];
@@ -371,33 +427,56 @@ __global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParam
         const int64_t offset = (r + u * row_step) * channels + cu * V;
         load_values<V>(x[u], p.input + offset);
         load_values<V>(dy[u], p.grad_output + offset);
+        if constexpr (RELU) {
+          A z[V];
+          if (p.z != nullptr) load_values<V>(z, p.z + offset);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            A y = (x[u][e] - k[e].mean) * k[e].scale + shift[e];
+            if (p.z != nullptr) y += z[e];
+            dy[u][e] = y > A(0) ? dy[u][e] : A(0);
+          }
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step >= rows) continue;
+      const int64_t offset = (r + u * row_step) * channels + cu * V;
       A dx[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         dx[e] = (dy[u][e] - k[e].mean_dy - (x[u][e] - k[e].mean) * k[e].factor) * k[e].scale;
       }
-      store_values<V>(p.grad_input + (r + u * row_step) * channels + cu * V, dx);
+      store_values<V>(p.grad_input + offset, dx);
+      if constexpr (RELU) {
+        if (p.grad_z != nullptr) store_values<V>(p.grad_z + offset, dy[u]);
+      }
     }
   }
 }
 
-at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
-                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
-                    const at::Tensor& sum_dy_xmu, const at::Tensor& count, bool channel_last) {
-  const int64_t channels = checks::stats(op, input, mean, invstd, weight, std::nullopt, channel_last);
+// relu (channels-last only): grad_output masked where bn(x) [+ z] <= 0 on the fly; with grad_z,
+// the masked gradient is also written out (z's gradient). Returns (grad_input, grad_z or empty).
+std::tuple<at::Tensor, at::Tensor> backward(const char* op, const at::Tensor& grad_output, const at::Tensor& input,
+                                            const at::Tensor& mean, const at::Tensor& invstd,
+                                            const std::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
+                                            const at::Tensor& sum_dy_xmu, const at::Tensor& count, bool channel_last,
+                                            bool relu = false, const std::optional<at::Tensor>& z = std::nullopt,
+                                            const std::optional<at::Tensor>& bias = std::nullopt,
+                                            bool want_grad_z = false) {
+  const int64_t channels = checks::stats(op, input, mean, invstd, weight, bias, channel_last);
   checks::like_input(op, "grad_output", grad_output, input);
+  const at::Tensor* zt = optional_tensor(z);
+  if (zt != nullptr) checks::like_input(op, "z", *zt, input);
   checks::channel_stat(op, "sum_dy", sum_dy, channels, input.device(), input.scalar_type());
   checks::channel_stat(op, "sum_dy_xmu", sum_dy_xmu, channels, input.device(), input.scalar_type());
   checks::count(op, count, input.device());
   const c10::cuda::CUDAGuard device_guard(input.device());
   at::Tensor grad_input = at::empty(input.sizes(), input.options());
+  at::Tensor grad_z = want_grad_z ? at::empty(input.sizes(), input.options()) : at::empty({0}, input.options());
   const int64_t numel = input.numel();
-  if (numel == 0) return grad_input;
+  if (numel == 0) return {grad_input, grad_z};
   // the counts in the statistics' dtype (a float32 count with float64 statistics, or the reverse)
   const auto stats = stat_dtype(input.scalar_type());
   const at::Tensor counts = count.scalar_type() == stats ? count : count.to(stats);
@@ -418,6 +497,9 @@ at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Ten
     p.count_size = counts.size(0);
     p.count_stride = counts.stride(0);
     p.grad_input = static_cast<T*>(grad_input.data_ptr());
+    p.z = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
+    p.bias = optional_ptr<W>(bias);
+    p.grad_z = want_grad_z ? static_cast<T*>(grad_z.data_ptr()) : nullptr;
     if (!channel_last) {
       const int64_t plane = numel / (input.size(0) * channels);
       dispatch_vector<T>(pick_vector<T>(plane, {p.input, p.grad_output, p.grad_input}), [&](auto v) {
@@ -430,30 +512,44 @@ at::Tensor backward(const char* op, const at::Tensor& grad_output, const at::Ten
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     } else {
-      dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.grad_output, p.grad_input}), [&](auto v) {
+      dispatch_vector<T>(pick_vector<T>(channels, {p.input, p.grad_output, p.grad_input, p.z, p.grad_z}), [&](auto v) {
         constexpr int V = decltype(v)::value;
         const int64_t rows = numel / channels;
         const TileLaunch launch = channels_last_launch(channels / V, rows, kUnroll);
-        backward_channels_last<T, W, V><<<launch.grid, launch.block, 0, stream>>>(p, rows, channels);
+        if (relu) {
+          backward_channels_last<T, W, V, true><<<launch.grid, launch.block, 0, stream>>>(p, rows, channels);
+        } else {
+          backward_channels_last<T, W, V, false><<<launch.grid, launch.block, 0, stream>>>(p, rows, channels);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
   });
-  return grad_input;
+  return {grad_input, grad_z};
 }
 
 at::Tensor batch_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                                     const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
-  return backward("batch_norm_backward", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count, false);
+  return std::get<0>(
+      backward("batch_norm_backward", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count, false));
 }
 
 at::Tensor batch_norm_backward_c_last_cuda(const at::Tensor& grad_output, const at::Tensor& input,
                                            const at::Tensor& mean, const at::Tensor& invstd,
                                            const std::optional<at::Tensor>& weight, const at::Tensor& sum_dy,
                                            const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
-  return backward("batch_norm_backward_c_last", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count,
-                  true);
+  return std::get<0>(backward("batch_norm_backward_c_last", grad_output, input, mean, invstd, weight, sum_dy,
+                              sum_dy_xmu, count, true));
+}
+
+std::tuple<at::Tensor, at::Tensor> batch_norm_backward_relu_c_last_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& z,
+    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu,
+    const at::Tensor& count, bool grad_z) {
+  return backward("batch_norm_backward_relu_c_last", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu,
+                  count, true, true, z, bias, grad_z);
 }
 
 // relu_backward_c_last ------------------------------------------------------------------------
@@ -535,4 +631,6 @@ TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
   m.impl("batch_norm_backward", &apex_parallel::batch_norm_backward_cuda);
   m.impl("batch_norm_backward_c_last", &apex_parallel::batch_norm_backward_c_last_cuda);
   m.impl("relu_backward_c_last", &apex_parallel::relu_backward_c_last_cuda);
+  m.impl("reduce_bn_relu_c_last", &apex_parallel::reduce_bn_relu_c_last_cuda);
+  m.impl("batch_norm_backward_relu_c_last", &apex_parallel::batch_norm_backward_relu_c_last_cuda);
 }
