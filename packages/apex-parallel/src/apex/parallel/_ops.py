@@ -19,7 +19,12 @@ written: ``apex.core.library``.
 - ``batch_norm_backward[_c_last](grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu,
   count) -> grad_input``, ``count`` being the per-rank counts (their sum is the group's);
 - ``relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)``: ``grad_output``
-  masked where the recomputed pre-activation is not positive.
+  masked where the recomputed pre-activation is not positive;
+- ``reduce_bn_relu_c_last(grad_output, input, z, mean, invstd, weight, bias)`` and
+  ``batch_norm_backward_relu_c_last(grad_output, input, z, mean, invstd, weight, bias, sum_dy,
+  sum_dy_xmu, count, grad_z) -> (grad_input, grad_z)``: ``reduce_bn_c_last`` and
+  ``batch_norm_backward_c_last`` of that masked gradient, masking on the fly; ``grad_z`` is the
+  masked gradient (z's) when asked for, else empty.
 
 Every op accepts an empty batch: the statistics of no elements are 0 and the outputs are empty.
 """
