@@ -256,9 +256,11 @@ def batch_norm_forward_c_last(a):
 # reduce_bn -------------------------------------------------------------------------------------
 
 
-def _reduce_bn(a):
+def _reduce_bn(a, grad_output=None):
+    """reduce_bn's outputs of ``grad_output`` (default: the op's)."""
+    grad_output = a.grad_output if grad_output is None else grad_output
     sum_dy, sum_dy_xmu, grad_weight, grad_bias = _reference.reduce_bn(
-        a.grad_output, a.input, a.mean, a.invstd, a.weight, a.channel_last
+        grad_output, a.input, a.mean, a.invstd, a.weight, a.channel_last
     )
     if grad_weight is None:
         grad_weight, grad_bias = _empty_stat(a.input), _empty_stat(a.input)
@@ -286,11 +288,16 @@ reduce_bn, reduce_bn_c_last = _in_both_layouts(
 # batch_norm_backward ---------------------------------------------------------------------------
 
 
-def _check_backward(a) -> None:
-    _check_gradient(a)
+def _check_sums(a) -> None:
+    """The group's sums and per-rank counts that an input gradient's op takes."""
     _check_channel_stat(a, "sum_dy")
     _check_channel_stat(a, "sum_dy_xmu")
     _check_count(a.op, a.count, a.input.device)
+
+
+def _check_backward(a) -> None:
+    _check_gradient(a)
+    _check_sums(a)
 
 
 def _batch_norm_backward(a):
@@ -352,19 +359,12 @@ def _masked(a) -> torch.Tensor:
     tags=CONTIGUOUS_INPUTS,
 )
 def reduce_bn_relu_c_last(a):
-    sum_dy, sum_dy_xmu, grad_weight, grad_bias = _reference.reduce_bn(
-        _masked(a), a.input, a.mean, a.invstd, a.weight, True
-    )
-    if grad_weight is None:
-        grad_weight, grad_bias = _empty_stat(a.input), _empty_stat(a.input)
-    return _contiguous(sum_dy, sum_dy_xmu, grad_weight, grad_bias)
+    return _reduce_bn(a, _masked(a))
 
 
 def _check_backward_relu(a) -> None:
     _check_relu_backward(a)
-    _check_channel_stat(a, "sum_dy")
-    _check_channel_stat(a, "sum_dy_xmu")
-    _check_count(a.op, a.count, a.input.device)
+    _check_sums(a)
 
 
 def _backward_relu_fake(a):
