@@ -224,14 +224,12 @@ class SyncBatchNorm(_BatchNorm):
             zc = None if z is None else z.contiguous()
             return self._sync(input.contiguous(), zc, weight, bias, running, factor, group, world, True, self.fuse_relu)
         if input.dim() in (4, 5) and input.is_contiguous(memory_format=_memory_format(input)):
-            # channels_last memory: the channels-last kernels on the (N, ..., C) view, no copy.
-            to_last = (0, *range(2, input.dim()), 1)
-            from_last = (0, input.dim() - 1, *range(1, input.dim() - 1))
-            zl = None if z is None else z.permute(to_last).contiguous()
-            out = self._sync(
-                input.permute(to_last), zl, weight, bias, running, factor, group, world, True, self.fuse_relu
-            )
-            return out.permute(from_last)
+            # channels_last memory: the channels-last kernels on the (N, H*W, C) view, no copy. A 3-D
+            # view, not a 4-D (N, H, W, C) permutation: Inductor's layout optimization gives 4-D
+            # tensors near a convolution channels-last strides, which would copy a permuted view.
+            zl = None if z is None else _rows_last(z.contiguous(memory_format=_memory_format(z)))
+            out = self._sync(_rows_last(input), zl, weight, bias, running, factor, group, world, True, self.fuse_relu)
+            return out.transpose(1, 2).unflatten(2, input.shape[2:])
         out = self._sync(input.contiguous(), None, weight, bias, running, factor, group, world, False, False)
         if z is not None:
             out = out + z
@@ -241,6 +239,11 @@ class SyncBatchNorm(_BatchNorm):
         return SyncBatchNormFunction.apply(
             input, z, weight, bias, running[0], running[1], self.eps, factor, group, world, c_last, relu
         )
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """The ``(N, *spatial, C)`` memory of a channels_last tensor as an ``(N, prod(spatial), C)`` view."""
+    return t.flatten(2).transpose(1, 2)
 
 
 def _memory_format(input: torch.Tensor):
