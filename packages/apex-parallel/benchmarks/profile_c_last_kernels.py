@@ -6,12 +6,14 @@ ResNet-50 shapes at batch 256 (bf16 input, float32 weight): a norm followed by a
 bottleneck's last norm with the residual add (z) and its ReLU. For each kernel of five calls:
 device microseconds a call and the equivalent number of passes over the input tensor at the copy
 bandwidth measured in the same run (one pass = the tensor's bytes read or written once). The
-``CUDAFunctor_add`` rows are autograd accumulating the leaf gradients, not ours. For finding where
+``CUDAFunctor_add`` rows are autograd accumulating the leaf gradients, not ours. Each shape runs with
+both channels-last Welford kernels (APEX_SYNCBN_WELFORD_C_LAST=batch, then flush). For finding where
 time goes (benchmarks/NOTES.md); there is no bar here.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -43,30 +45,33 @@ def main() -> int:
         return 1
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for channels, size, add in SHAPES:
-        x = torch.randn(256, channels, size, size, device="cuda", dtype=torch.bfloat16)
-        x = x.to(memory_format=torch.channels_last).requires_grad_()
-        z = torch.randn_like(x).requires_grad_() if add else None
-        dy = torch.randn_like(x)
-        norm = SyncBatchNorm(channels, fuse_relu=True).cuda()
+    for kernel in ("batch", "flush"):
+        os.environ["APEX_SYNCBN_WELFORD_C_LAST"] = kernel
+        for channels, size, add in SHAPES:
+            x = torch.randn(256, channels, size, size, device="cuda", dtype=torch.bfloat16)
+            x = x.to(memory_format=torch.channels_last).requires_grad_()
+            z = torch.randn_like(x).requires_grad_() if add else None
+            dy = torch.randn_like(x)
+            norm = SyncBatchNorm(channels, fuse_relu=True).cuda()
 
-        def step(norm=norm, x=x, z=z, dy=dy):
-            (norm(x, z) if z is not None else norm(x)).backward(dy)
+            def step(norm=norm, x=x, z=z, dy=dy):
+                (norm(x, z) if z is not None else norm(x)).backward(dy)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
+            for _ in range(3):
                 step()
             torch.cuda.synchronize()
-        tensor_bytes = x.numel() * x.element_size()
-        print(f"== 256x{channels}x{size}x{size}{' with z' if add else ''}: {tensor_bytes / 1e6:.0f} MB a pass")
-        for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-            us = event.device_time_total / 5
-            if us > 5:
-                passes = us * 1e-6 * bandwidth / tensor_bytes
-                print(f"  {us:8.1f} us  {passes:4.1f} passes  {event.key[:100]}")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+                torch.cuda.synchronize()
+            tensor_bytes = x.numel() * x.element_size()
+            case = f"256x{channels}x{size}x{size}{' with z' if add else ''}"
+            print(f"== {kernel}: {case}: {tensor_bytes / 1e6:.0f} MB a pass")
+            for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+                us = event.device_time_total / 5
+                if us > 5:
+                    passes = us * 1e-6 * bandwidth / tensor_bytes
+                    print(f"  {us:8.1f} us  {passes:4.1f} passes  {event.key[:100]}")
     return 0
 
 

@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -76,6 +78,47 @@ __global__ void __launch_bounds__(kThreads) welford_channels_first(const T* __re
   if (threadIdx.x == 0) write_welford(out, w, chunk, c, channels);
 }
 
+// The elements of a loaded vector in the arithmetic type.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void unpack(A (&dst)[V], const apex::AlignedVector<T, V>& v) {
+  if constexpr (std::is_same_v<A, float>) {
+    apex::to_floats(dst, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) dst[k] = static_cast<A>(v.val[k]);
+  }
+}
+
+// Rows a channels-last thread folds into shifted sums before it merges them into its state.
+constexpr int kFlushRows = 8 * kUnroll;
+// Blocks of the channels-last kernel a multiprocessor holds (its registers: 80 at most for float
+// statistics; double's four-wide vectors would spill there, so they get what they need).
+template <typename A>
+constexpr int kWelfordLastBlocks = std::is_same_v<A, double> ? 1 : 3;
+
+// The end of both channels-last kernels: the by states of each channel unit merge down
+// threadIdx.y in shared memory (slot (y, x, k)) in a fixed tree order; row 0 writes them.
+template <int V, typename A>
+__device__ __forceinline__ void write_rows_merged(Welford<A> (&shared)[kThreads * V], const Welford<A> (&w)[V],
+                                                  bool active, int64_t cu, int64_t channels,
+                                                  const WelfordOut<A>& out) {
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * V;
+#pragma unroll
+  for (int k = 0; k < V; ++k) shared[slot + k] = w[k];
+  for (int half = blockDim.y / 2; half > 0; half /= 2) {
+    __syncthreads();
+    if (threadIdx.y < half) {
+      const int other = slot + half * blockDim.x * V;
+#pragma unroll
+      for (int k = 0; k < V; ++k) shared[slot + k] = apex::welford_merge(shared[slot + k], shared[other + k]);
+    }
+  }
+  if (threadIdx.y == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) write_welford(out, shared[slot + k], blockIdx.y, cu * V + k, channels);
+  }
+}
+
 template <typename T, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __restrict__ input, int64_t rows,
                                                                   int64_t channels, WelfordOut<A> out) {
@@ -102,22 +145,88 @@ __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __res
       welford_batch(w[k], column, ok);
     }
   }
-  // Tree merge over threadIdx.y in shared memory: slot (y, x, k).
-  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * V;
+  write_rows_merged(shared, w, active, cu, channels, out);
+}
+
+template <typename T, int V, typename A = acc_t<T>>
+__global__ void __launch_bounds__(kThreads, kWelfordLastBlocks<A>)
+    welford_channels_last_flush(const T* __restrict__ input, int64_t rows, int64_t channels, WelfordOut<A> out) {
+  __shared__ Welford<A> shared[kThreads * V];
+  const int64_t channel_units = channels / V;
+  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const bool active = cu < channel_units;
+  // The thread's state: V means and M2s over `count` rows (the same rows for every channel). After
+  // the first kUnroll rows (an exact two-pass batch), rows go into sums of x - mean (s1) and of its
+  // square (s2) with the mean as it stood, and every kFlushRows rows those sums are merged in: a
+  // division or two per kFlushRows * V elements instead of per kUnroll (a merge per few rows made
+  // this kernel compute-bound at half the bandwidth). The shift is the running mean, so the sums
+  // stay small and s2 - s1^2 / n cancels no more than the two-pass batch does.
+  A mean[V] = {}, m2[V] = {}, s1[V] = {}, s2[V] = {};
+  A count = A(0), pending = A(0);
+  const auto flush = [&]() {
+    if (pending == A(0)) return;
+    const A total = count + pending;
+    const A inv_pending = A(1) / pending;
+    const A b_weight = pending / total;
 #pragma unroll
-  for (int k = 0; k < V; ++k) shared[slot + k] = w[k];
-  for (int half = blockDim.y / 2; half > 0; half /= 2) {
-    __syncthreads();
-    if (threadIdx.y < half) {
-      const int other = slot + half * blockDim.x * V;
-#pragma unroll
-      for (int k = 0; k < V; ++k) shared[slot + k] = apex::welford_merge(shared[slot + k], shared[other + k]);
+    for (int k = 0; k < V; ++k) {
+      const A delta = s1[k] * inv_pending;  // the batch's mean minus the shift (the state's mean)
+      const A batch_m2 = s2[k] - s1[k] * delta;
+      mean[k] += delta * b_weight;
+      m2[k] += (batch_m2 > A(0) ? batch_m2 : A(0)) + delta * delta * count * b_weight;
+      s1[k] = s2[k] = A(0);
     }
-  }
-  if (threadIdx.y == 0 && active) {
+    count = total;
+    pending = A(0);
+  };
+  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
+       r += kUnroll * row_step) {
+    // The rows stay packed until used (as floats they would not fit in kWelfordLastBlocks' registers).
+    apex::AlignedVector<T, V> packed[kUnroll];
+    bool ok[kUnroll];
 #pragma unroll
-    for (int k = 0; k < V; ++k) write_welford(out, shared[slot + k], blockIdx.y, cu * V + k, channels);
+    for (int u = 0; u < kUnroll; ++u) {
+      ok[u] = r + u * row_step < rows;
+      if (ok[u]) packed[u] = apex::load_vector_whole<T, V>(input + (r + u * row_step) * channels + cu * V);
+    }
+    if (count == A(0)) {
+      A x[kUnroll][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) unpack(x[u], packed[u]);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        A column[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) column[u] = ok[u] ? x[u][k] : A(0);
+        Welford<A> w{};
+        welford_batch(w, column, ok);
+        mean[k] = w.mean;
+        m2[k] = w.m2;
+        count = w.count;
+      }
+      continue;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (!ok[u]) continue;
+      A x[V];
+      unpack(x, packed[u]);
+      pending += A(1);
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A d = x[k] - mean[k];
+        s1[k] += d;
+        s2[k] = fma(d, d, s2[k]);
+      }
+    }
+    if (pending >= A(kFlushRows)) flush();
   }
+  flush();
+  Welford<A> w[V];
+#pragma unroll
+  for (int k = 0; k < V; ++k) w[k] = Welford<A>{mean[k], m2[k], count};
+  write_rows_merged(shared, w, active, cu, channels, out);
 }
 
 template <typename A>
@@ -142,6 +251,18 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
     mean[c] = lanes[0][threadIdx.x].mean;
     var[c] = lanes[0][threadIdx.x].variance(false);
   }
+}
+
+// Which channels-last kernel runs: APEX_SYNCBN_WELFORD_C_LAST=flush picks
+// welford_channels_last_flush, which has not yet run on a GPU (written while none was lent);
+// unset or "batch", welford_channels_last. Read at every call so that one build and one process
+// can test and time both. Goes once the flush kernel has been measured against the other.
+bool flush_kernel_chosen() {
+  const char* text = std::getenv("APEX_SYNCBN_WELFORD_C_LAST");
+  if (text == nullptr || std::strcmp(text, "batch") == 0 || text[0] == '\0') return false;
+  TORCH_CHECK(std::strcmp(text, "flush") == 0, "APEX_SYNCBN_WELFORD_C_LAST must be \"batch\" or \"flush\", got \"",
+              text, "\"");
+  return true;
 }
 
 std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& input, bool channel_last) {
@@ -188,8 +309,19 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         const int64_t rows = per_channel;
         const TileShape tile = tile_shape(channels / V);
         const int64_t tiles = ceil_div(channels / V, tile.bx);
-        const int64_t chunks = std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll),
-                                                 65535);
+        const bool flush = flush_kernel_chosen();
+        int64_t chunks = 0;
+        if (flush) {
+          // As many chunks as fill the device at the kernel's own occupancy (its registers allow
+          // fewer than full_grid()'s eight blocks a multiprocessor: a ninth of a wave left over
+          // cost as much as a whole one), each thread with at least two flushes' rows.
+          const auto* kernel = reinterpret_cast<const void*>(&welford_channels_last_flush<T, V>);
+          const int64_t resident = static_cast<int64_t>(sm_count()) * apex::resident_blocks(kernel, kThreads, 0);
+          const int64_t useful = std::max<int64_t>(rows / (2 * static_cast<int64_t>(tile.by) * kFlushRows), 1);
+          chunks = std::min<int64_t>({ceil_div(resident, tiles), useful, kMaxChunks, 65535});
+        } else {
+          chunks = std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll), 65535);
+        }
         WelfordOut<A> out{mean.data_ptr<A>(), var.data_ptr<A>(), nullptr};
         if (chunks > 1) {
           partial = at::empty({chunks * channels * 3}, stats);
@@ -197,7 +329,11 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         }
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
         const dim3 block(tile.bx, tile.by);
-        welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
+        if (flush) {
+          welford_channels_last_flush<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
+        } else {
+          welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
           welford_finalize<A><<<finalize_grid(channels), finalize_block(), 0, stream>>>(
