@@ -13,41 +13,25 @@ time goes (benchmarks/NOTES.md); there is no bar here.
 
 from __future__ import annotations
 
-import os
+import itertools
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from apex.core.benchmarking import require_cuda
+from apex.core.benchmarking import copy_bandwidth_gbps, environment, require_cuda
 from apex.parallel import SyncBatchNorm
 
 SHAPES = [(64, 112, False), (256, 56, True)]  # channels, height = width, residual add
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy of 512 MiB."""
-    src = torch.empty(2**28, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 10 * 2 * src.numel() * src.element_size() / (start.elapsed_time(end) * 1e-3)
-
-
 def main() -> int:
     if not require_cuda("profile_c_last_kernels"):
         return 1
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth_gbps(5) * 1e9  # bytes per second
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for kernel in ("batch", "flush"):
-        os.environ["APEX_SYNCBN_WELFORD_C_LAST"] = kernel
-        for channels, size, add in SHAPES:
+    for kernel, (channels, size, add) in itertools.product(("batch", "flush"), SHAPES):
+        with environment(APEX_SYNCBN_WELFORD_C_LAST=kernel):
             x = torch.randn(256, channels, size, size, device="cuda", dtype=torch.bfloat16)
             x = x.to(memory_format=torch.channels_last).requires_grad_()
             z = torch.randn_like(x).requires_grad_() if add else None
