@@ -6,9 +6,10 @@ ResNet-50 shapes at batch 256 (bf16 input, float32 weight): a norm followed by a
 bottleneck's last norm with the residual add (z) and its ReLU. For each kernel of five calls:
 device microseconds a call and the equivalent number of passes over the input tensor at the copy
 bandwidth measured in the same run (one pass = the tensor's bytes read or written once). The
-``CUDAFunctor_add`` rows are autograd accumulating the leaf gradients, not ours. Each shape runs with
-both channels-last Welford kernels (APEX_SYNCBN_WELFORD_C_LAST=batch, then flush). For finding where
-time goes (benchmarks/NOTES.md); there is no bar here.
+``CUDAFunctor_add`` rows are autograd accumulating the leaf gradients, not ours. Variants: each
+channels-last Welford kernel (APEX_SYNCBN_WELFORD_C_LAST=batch, flush), and with z the masked
+gradient written by the reduction (sync_batchnorm._MASKED_IN_REDUCE). For finding where time goes
+(benchmarks/NOTES.md); there is no bar here.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from apex.core.benchmarking import copy_bandwidth_gbps, environment, require_cuda
-from apex.parallel import SyncBatchNorm
+from apex.parallel import SyncBatchNorm, sync_batchnorm
 
 SHAPES = [(64, 112, False), (256, 56, True)]  # channels, height = width, residual add
+VARIANTS = [("batch", False), ("flush", False), ("batch", True)]  # Welford kernel, masked gradient from the reduction
 
 
 def main() -> int:
@@ -30,7 +32,10 @@ def main() -> int:
         return 1
     bandwidth = copy_bandwidth_gbps(5) * 1e9  # bytes per second
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
-    for kernel, (channels, size, add) in itertools.product(("batch", "flush"), SHAPES):
+    for (kernel, masked), (channels, size, add) in itertools.product(VARIANTS, SHAPES):
+        if masked and not add:
+            continue  # the same as without: the masked gradient is only written for z
+        sync_batchnorm._MASKED_IN_REDUCE = masked
         with environment(APEX_SYNCBN_WELFORD_C_LAST=kernel):
             x = torch.randn(256, channels, size, size, device="cuda", dtype=torch.bfloat16)
             x = x.to(memory_format=torch.channels_last).requires_grad_()
@@ -50,7 +55,7 @@ def main() -> int:
                 torch.cuda.synchronize()
             tensor_bytes = x.numel() * x.element_size()
             case = f"256x{channels}x{size}x{size}{' with z' if add else ''}"
-            print(f"== {kernel}: {case}: {tensor_bytes / 1e6:.0f} MB a pass")
+            print(f"== {kernel}{', masked in reduce' if masked else ''}: {case}: {tensor_bytes / 1e6:.0f} MB a pass")
             for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
                 us = event.device_time_total / 5
                 if us > 5:

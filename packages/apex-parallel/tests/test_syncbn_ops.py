@@ -119,7 +119,8 @@ FUSED_SHAPES = [s for s, last in SHAPES if last] + [(0, 6), (5, 0, 4)]
 def test_fused_relu_backward_ops(device, shape, dtype):
     """reduce_bn_relu_c_last and batch_norm_backward_relu_c_last against float64 references of
     relu_backward followed by reduce_bn / batch_norm_backward, and against our unfused ops, with and
-    without z, with and without z's gradient."""
+    without z, with and without z's gradient; the reduction's masked output (masked=True) equal to
+    relu_backward_c_last's, with the same sums as without it."""
     x, dy, z, weight, bias = make_case(device, shape, True, dtype)
     c = shape[-1]
     mean, var = OPS.welford_mean_var_c_last(x)
@@ -137,11 +138,17 @@ def test_fused_relu_backward_ops(device, shape, dtype):
         args = (mean, invstd, weight, bias)
         args64 = (f64(mean), f64(invstd), f64(weight), f64(bias))
         masked64 = _reference.relu_backward(f64(dy), f64(x), f64(zi), *args64, True)
-        sums = OPS.reduce_bn_relu_c_last(dy, x, zi, *args)
+        *sums, no_masked = OPS.reduce_bn_relu_c_last(dy, x, zi, *args)
+        assert no_masked.numel() == 0
         ref = _reference.reduce_bn(masked64, f64(x), args64[0], args64[1], args64[2], True)
         for name, actual, expected in zip(("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias"), sums, ref):
             near(actual, expected, sums_dtype, name)
         masked = OPS.relu_backward_c_last(dy, x, zi, *args)
+        *sums_too, masked_too = OPS.reduce_bn_relu_c_last(dy, x, zi, *args, True)
+        assert masked_too.dtype == dtype and masked_too.shape == x.shape
+        torch.testing.assert_close(masked_too, masked, rtol=0, atol=0)  # the mask: exact
+        for a, e in zip(sums_too, sums):
+            torch.testing.assert_close(a, e, rtol=0, atol=0)
         unfused = OPS.reduce_bn_c_last(masked, x, mean, invstd, weight)
         for a, e in zip(sums, unfused):
             torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6 * (1 + e.abs().max().item() if e.numel() else 1))
@@ -411,6 +418,10 @@ def opcheck_cases(device):
         ),
         "relu_backward_c_last": (OPS.relu_backward_c_last.default, (dyl, xl, zl, mean, invstd, weight, bias)),
         "reduce_bn_relu_c_last": (OPS.reduce_bn_relu_c_last.default, (dyl, xl, zl, mean, invstd, weight, bias)),
+        "reduce_bn_relu_c_last-masked": (
+            OPS.reduce_bn_relu_c_last.default,
+            (dyl, xl, zl, mean, invstd, weight, bias, True),
+        ),
         "reduce_bn_relu_c_last-no-z": (
             OPS.reduce_bn_relu_c_last.default,
             (dyl, xl, None, mean, invstd, None, None),

@@ -20,11 +20,12 @@ written: ``apex.core.library``.
   count) -> grad_input``, ``count`` being the per-rank counts (their sum is the group's);
 - ``relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)``: ``grad_output``
   masked where the recomputed pre-activation is not positive;
-- ``reduce_bn_relu_c_last(grad_output, input, z, mean, invstd, weight, bias)`` and
+- ``reduce_bn_relu_c_last(grad_output, input, z, mean, invstd, weight, bias, masked) ->
+  (sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked)`` and
   ``batch_norm_backward_relu_c_last(grad_output, input, z, mean, invstd, weight, bias, sum_dy,
   sum_dy_xmu, count, grad_z) -> (grad_input, grad_z)``: ``reduce_bn_c_last`` and
-  ``batch_norm_backward_c_last`` of that masked gradient, masking on the fly; ``grad_z`` is the
-  masked gradient (z's) when asked for, else empty.
+  ``batch_norm_backward_c_last`` of that masked gradient, masking on the fly; the masked gradient
+  (z's gradient) is also returned when ``masked`` / ``grad_z`` asks for it, else an empty tensor.
 
 Every op accepts an empty batch: the statistics of no elements are 0 and the outputs are empty.
 """
@@ -343,23 +344,31 @@ def relu_backward_c_last(a):
 # The backward of a norm with a fused ReLU (forward's fuse_relu) in two passes instead of three:
 # relu_backward_c_last's masking (where bn(x) [+ z] <= 0, recomputed) done inside the reduction and
 # the input gradient's kernel, so the masked gradient is only written when z needs it. Same values as
-# relu_backward_c_last followed by reduce_bn_c_last / batch_norm_backward_c_last.
+# relu_backward_c_last followed by reduce_bn_c_last / batch_norm_backward_c_last. When z needs it, the
+# reduction can write it (masked=True) and batch_norm_backward_c_last read it, instead of the second
+# kernel reading dy, x and z again (SyncBatchNorm's choice: sync_batchnorm._MASKED_IN_REDUCE).
 
 
 def _masked(a) -> torch.Tensor:
     return _reference.relu_backward(a.grad_output, a.input, a.z, a.mean, a.invstd, a.weight, a.bias, True)
 
 
+def _reduce_bn_relu_fake(a):
+    return (*_reduce_bn_fake(a), _like_input(a) if a.masked else a.input.new_empty((0,)))
+
+
 @op(
     KERNELS,
     "reduce_bn_relu_c_last(Tensor grad_output, Tensor input, Tensor? z, Tensor mean, Tensor invstd, Tensor? weight, "
-    "Tensor? bias) -> (Tensor sum_dy, Tensor sum_dy_xmu, Tensor grad_weight, Tensor grad_bias)",
+    "Tensor? bias, bool masked=False) -> "
+    "(Tensor sum_dy, Tensor sum_dy_xmu, Tensor grad_weight, Tensor grad_bias, Tensor masked)",
     check=_check_relu_backward,
-    fake=_reduce_bn_fake,
+    fake=_reduce_bn_relu_fake,
     tags=CONTIGUOUS_INPUTS,
 )
 def reduce_bn_relu_c_last(a):
-    return _reduce_bn(a, _masked(a))
+    masked = _masked(a)
+    return (*_reduce_bn(a, masked), masked.contiguous() if a.masked else a.input.new_empty((0,)))
 
 
 def _check_backward_relu(a) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +26,20 @@ def _count_tensor(count: int, device: torch.device) -> torch.Tensor:
             found = _counts[key] = torch.full((1,), float(count), dtype=torch.float32, device=device)
     return found
 
+
+# Where a fused-ReLU backward with z's gradient gets the masked gradient: written by the reduction
+# (reduce_bn_relu_c_last's masked=True), then read by the plain input-gradient kernel (one pass less
+# than the default, which reads dy, x and z in both kernels and writes it from the second).
+# APEX_SYNCBN_MASKED_IN_REDUCE=1 at import, or set in-process; off until it has been timed on a GPU
+# (written while none was lent). Both give the same values up to the kernels' rounding.
+def _env_switch(name: str) -> bool:
+    value = os.environ.get(name, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f'{name} must be "0" or "1", got "{value}"')
+    return value == "1"
+
+
+_MASKED_IN_REDUCE = _env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
 
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -90,19 +106,25 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def _relu_backward(ctx, grad_output, input, z, weight, bias, mean, invstd, count):
         """The backward with a fused ReLU: relu's derivative inside the reduction and the input
-        gradient's kernel (two passes over the tensors, not three); z's gradient, the masked
-        gradient, comes from the second."""
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _ops.reduce_bn_relu_c_last(
-            grad_output, input, z, mean, invstd, weight, bias
+        gradient's kernel (two passes over the tensors, not three). z's gradient, the masked
+        gradient, comes from the second; or, with _MASKED_IN_REDUCE, from the first, which the
+        second then reads instead of dy, x and z."""
+        want_z = z is not None and ctx.needs_input_grad[1]
+        masked_first = want_z and _MASKED_IN_REDUCE
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked = _ops.reduce_bn_relu_c_last(
+            grad_output, input, z, mean, invstd, weight, bias, masked_first
         )
         if ctx.world > 1:
             sums = torch.cat([sum_dy, sum_dy_xmu])
             dist.all_reduce(sums, group=ctx.group)
             sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
-        want_z = z is not None and ctx.needs_input_grad[1]
-        grad_input, grad_z = _ops.batch_norm_backward_relu_c_last(
-            grad_output, input, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, want_z
-        )
+        if masked_first:
+            grad_z = masked
+            grad_input = _ops.batch_norm_backward_c_last(masked, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
+        else:
+            grad_input, grad_z = _ops.batch_norm_backward_relu_c_last(
+                grad_output, input, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, want_z
+            )
         if weight is None:
             grad_weight = grad_bias = None
         else:

@@ -38,13 +38,14 @@ struct SumsOut {
 
 // What relu's derivative needs in the fused kernels (reduce_bn_relu_c_last,
 // batch_norm_backward_relu_c_last): the pre-activation bn(x) [+ z] recomputed from the forward's
-// statistics, as relu_backward_c_last does, so that the masked gradient is never written out.
+// statistics, as relu_backward_c_last does, so that the masked gradient need not be written out.
 template <typename T, typename W, typename A>
 struct ReluInputs {
   const T* z;  // may be null
   const A* invstd;
   const W* weight;  // may be null
   const W* bias;    // may be null
+  T* masked;        // reduce_bn_relu_c_last's masked gradient, written when not null
 };
 
 template <typename W, typename A>
@@ -148,6 +149,7 @@ __global__ void __launch_bounds__(kThreads)
             if (relu.z != nullptr) y += z[k];
             dy[u][k] = y > A(0) ? dy[u][k] : A(0);
           }
+          if (relu.masked != nullptr) store_values<V>(relu.masked + offset, dy[u]);
         }
       } else {
 #pragma unroll
@@ -214,13 +216,12 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
 }
 
 // relu (channels-last only): grad_output masked where bn(x) [+ z] <= 0 on the fly.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op, const at::Tensor& grad_output,
-                                                                  const at::Tensor& input, const at::Tensor& mean,
-                                                                  const at::Tensor& invstd,
-                                                                  const std::optional<at::Tensor>& weight,
-                                                                  bool channel_last, bool relu = false,
-                                                                  const std::optional<at::Tensor>& z = std::nullopt,
-                                                                  const std::optional<at::Tensor>& bias = std::nullopt) {
+// masked (with relu): the masked gradient is also written out, as a fifth result (else empty).
+using ReduceResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+ReduceResult reduce(const char* op, const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
+                    const at::Tensor& invstd, const std::optional<at::Tensor>& weight, bool channel_last,
+                    bool relu = false, const std::optional<at::Tensor>& z = std::nullopt,
+                    const std::optional<at::Tensor>& bias = std::nullopt, bool masked = false) {
   const int64_t channels = checks::stats(op, input, mean, invstd, weight, bias, channel_last);
   checks::like_input(op, "grad_output", grad_output, input);
   const at::Tensor* zt = optional_tensor(z);
@@ -229,10 +230,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
   const auto f32 = input.options().dtype(stat_dtype(input.scalar_type()));  // the statistics' dtype
   const at::Tensor* w = optional_tensor(weight);
   const int64_t numel = input.numel();
+  at::Tensor masked_out = masked ? at::empty(input.sizes(), input.options()) : at::empty({0}, input.options());
   if (numel == 0) {
     at::Tensor grad_weight = w != nullptr ? at::zeros({channels}, w->options()) : at::empty({0}, f32);
     at::Tensor grad_bias = w != nullptr ? at::zeros({channels}, w->options()) : at::empty({0}, f32);
-    return {at::zeros({channels}, f32), at::zeros({channels}, f32), grad_weight, grad_bias};
+    return {at::zeros({channels}, f32), at::zeros({channels}, f32), grad_weight, grad_bias, masked_out};
   }
   at::Tensor sum_dy = at::empty({channels}, f32);
   at::Tensor sum_dy_xmu = at::empty({channels}, f32);
@@ -249,7 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
     const T* dy = static_cast<const T*>(grad_output.const_data_ptr());
     const T* zp = zt != nullptr ? static_cast<const T*>(zt->const_data_ptr()) : nullptr;
     const ReluInputs<T, W, A> relu_inputs{zp, invstd.const_data_ptr<A>(), optional_ptr<W>(weight),
-                                          optional_ptr<W>(bias)};
+                                          optional_ptr<W>(bias),
+                                          masked ? static_cast<T*>(masked_out.data_ptr()) : nullptr};
     SumsOut<W, A> out{sum_dy.data_ptr<A>(),
                       sum_dy_xmu.data_ptr<A>(),
                       w != nullptr ? static_cast<W*>(grad_weight.data_ptr()) : nullptr,
@@ -303,7 +306,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce(const char* op
       });
     }
   });
-  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias};
+  return {sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked_out};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sums_of(ReduceResult r) {
+  return {std::move(std::get<0>(r)), std::move(std::get<1>(r)), std::move(std::get<2>(r)), std::move(std::get<3>(r))};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_cuda(const at::Tensor& grad_output,
@@ -311,20 +318,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_cuda(const 
                                                                           const at::Tensor& mean,
                                                                           const at::Tensor& invstd,
                                                                           const std::optional<at::Tensor>& weight) {
-  return reduce("reduce_bn", grad_output, input, mean, invstd, weight, false);
+  return sums_of(reduce("reduce_bn", grad_output, input, mean, invstd, weight, false));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_c_last_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
     const std::optional<at::Tensor>& weight) {
-  return reduce("reduce_bn_c_last", grad_output, input, mean, invstd, weight, true);
+  return sums_of(reduce("reduce_bn_c_last", grad_output, input, mean, invstd, weight, true));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_relu_c_last_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const std::optional<at::Tensor>& z,
-    const at::Tensor& mean, const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias) {
-  return reduce("reduce_bn_relu_c_last", grad_output, input, mean, invstd, weight, true, true, z, bias);
+ReduceResult reduce_bn_relu_c_last_cuda(const at::Tensor& grad_output, const at::Tensor& input,
+                                        const std::optional<at::Tensor>& z, const at::Tensor& mean,
+                                        const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
+                                        const std::optional<at::Tensor>& bias, bool masked) {
+  return reduce("reduce_bn_relu_c_last", grad_output, input, mean, invstd, weight, true, true, z, bias, masked);
 }
 
 // batch_norm_backward -------------------------------------------------------------------------
