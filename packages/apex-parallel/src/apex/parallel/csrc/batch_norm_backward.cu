@@ -80,26 +80,26 @@ __global__ void __launch_bounds__(kThreads)
   PlaneCursor cursor{j / plane_units, j % plane_units};
   const int64_t plane = plane_units * V;
   for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
-    A x[kUnroll][V];
-    A dy[kUnroll][V];
+    Packed<T, V> px[kUnroll];
+    Packed<T, V> pdy[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (j + u * static_cast<int64_t>(blockDim.x) < end) {
-        const int64_t offset = (cursor.n * channels + c) * plane + cursor.l * V;
-        load_values<V>(x[u], input + offset);
-        load_values<V>(dy[u], grad_output + offset);
-      } else {
-#pragma unroll
-        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = A(0);
-      }
+      const bool ok = j + u * static_cast<int64_t>(blockDim.x) < end;
+      const int64_t offset = (cursor.n * channels + c) * plane + cursor.l * V;
+      px[u] = load_packed<V>(input, offset, ok);
+      pdy[u] = load_packed<V>(grad_output, offset, ok);
       cursor.advance(step, plane_units);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      A x[V];
+      A dy[V];
+      unpack(x, px[u]);  // zeros past the end
+      unpack(dy, pdy[u]);
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        sum_dy += dy[u][k];
-        sum_dy_xmu += dy[u][k] * (x[u][k] - m);
+        sum_dy += dy[k];
+        sum_dy_xmu += dy[k] * (x[k] - m);
       }
     }
   }
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, typename W, int V, bool RELU, typename A = acc_t<T>>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kRowsInFlightBlocks)
     reduce_channels_last(const T* __restrict__ grad_output, const T* __restrict__ input, const A* __restrict__ mean,
                          int64_t rows, int64_t channels, SumsOut<W, A> out, ReluInputs<T, W, A> relu) {
   __shared__ SumPair<A> shared[kThreads * V];
@@ -129,39 +129,45 @@ __global__ void __launch_bounds__(kThreads)
       shift[k] = active ? load_or(relu.bias, c, A(0)) : A(0);
     }
   }
+  constexpr int kRows = rows_in_flight(RELU);
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
-       r += kUnroll * row_step) {
-    A x[kUnroll][V];
-    A dy[kUnroll][V];
+       r += kRows * row_step) {
+    Packed<T, V> px[kRows];
+    Packed<T, V> pdy[kRows];
+    Packed<T, V> pz[kRows];
+    bool ok[kRows];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (r + u * row_step < rows) {
-        const int64_t offset = (r + u * row_step) * channels + cu * V;
-        load_values<V>(x[u], input + offset);
-        load_values<V>(dy[u], grad_output + offset);
-        if constexpr (RELU) {
-          A z[V];
-          if (relu.z != nullptr) load_values<V>(z, relu.z + offset);
-#pragma unroll
-          for (int k = 0; k < V; ++k) {
-            A y = (x[u][k] - m[k]) * scale[k] + shift[k];
-            if (relu.z != nullptr) y += z[k];
-            dy[u][k] = y > A(0) ? dy[u][k] : A(0);
-          }
-          if (relu.masked != nullptr) store_values<V>(relu.masked + offset, dy[u]);
-        }
-      } else {
-#pragma unroll
-        for (int k = 0; k < V; ++k) x[u][k] = dy[u][k] = A(0);
-      }
+    for (int u = 0; u < kRows; ++u) {
+      ok[u] = r + u * row_step < rows;
+      const int64_t offset = (r + u * row_step) * channels + cu * V;
+      px[u] = load_packed<V>(input, offset, ok[u]);
+      pdy[u] = load_packed<V>(grad_output, offset, ok[u]);
+      if constexpr (RELU) pz[u] = load_packed<V>(relu.z, offset, ok[u] && relu.z != nullptr);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
+      A x[V];
+      A dy[V];
+      unpack(x, px[u]);  // zeros past the last row
+      unpack(dy, pdy[u]);
+      if constexpr (RELU) {
+        A z[V];
+        unpack(z, pz[u]);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          A y = (x[k] - m[k]) * scale[k] + shift[k];
+          if (relu.z != nullptr) y += z[k];
+          dy[k] = y > A(0) ? dy[k] : A(0);
+        }
+        if (relu.masked != nullptr && ok[u]) {
+          store_values<V>(relu.masked + (r + u * row_step) * channels + cu * V, dy);
+        }
+      }
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        sums[k].x += dy[u][k];
-        sums[k].y += dy[u][k] * (x[u][k] - m[k]);
+        sums[k].x += dy[k];
+        sums[k].y += dy[k] * (x[k] - m[k]);
       }
     }
   }
@@ -386,33 +392,36 @@ __global__ void __launch_bounds__(kThreads)
   int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   ChannelCursor cursor{(j / plane_units) % channels, j % plane_units};
   for (; j < units; j += kUnroll * stride) {
-    A x[kUnroll][V];
-    A dy[kUnroll][V];
+    Packed<T, V> px[kUnroll];
+    Packed<T, V> pdy[kUnroll];
     int64_t c[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       c[u] = cursor.c;
-      if (j + u * stride < units) {
-        load_values<V>(x[u], p.input + (j + u * stride) * V);
-        load_values<V>(dy[u], p.grad_output + (j + u * stride) * V);
-      }
+      const bool ok = j + u * stride < units;
+      px[u] = load_packed<V>(p.input, (j + u * stride) * V, ok);
+      pdy[u] = load_packed<V>(p.grad_output, (j + u * stride) * V, ok);
       cursor.advance(step, plane_units, channels);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (j + u * stride >= units) continue;
       const BackwardCoefficients<A> k = coefficients(p, c[u], inv_count);
+      A x[V];
+      A dy[V];
+      unpack(x, px[u]);
+      unpack(dy, pdy[u]);
       A dx[V];
 #pragma unroll
-      for (int e = 0; e < V; ++e) dx[e] = (dy[u][e] - k.mean_dy - (x[u][e] - k.mean) * k.factor) * k.scale;
+      for (int e = 0; e < V; ++e) dx[e] = (dy[e] - k.mean_dy - (x[e] - k.mean) * k.factor) * k.scale;
       store_values<V>(p.grad_input + (j + u * stride) * V, dx);
     }
   }
 }
 
 template <typename T, typename W, int V, bool RELU, typename A = acc_t<T>>
-__global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParams<T, W> p, int64_t rows,
-                                                                   int64_t channels) {
+__global__ void __launch_bounds__(kThreads, kRowsInFlightBlocks)
+    backward_channels_last(BackwardParams<T, W> p, int64_t rows, int64_t channels) {
   __shared__ A shared[apex::kWarpSize];
   const A inv_count = A(1) / block_count(p.count, p.count_size, p.count_stride, shared);
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -424,40 +433,46 @@ __global__ void __launch_bounds__(kThreads) backward_channels_last(BackwardParam
     k[e] = coefficients(p, cu * V + e, inv_count);
     if constexpr (RELU) shift[e] = load_or(p.bias, cu * V + e, A(0));
   }
+  constexpr int kRows = rows_in_flight(RELU);
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
-    A x[kUnroll][V];
-    A dy[kUnroll][V];
+  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kRows * row_step) {
+    Packed<T, V> px[kRows];
+    Packed<T, V> pdy[kRows];
+    Packed<T, V> pz[kRows];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (r + u * row_step < rows) {
-        const int64_t offset = (r + u * row_step) * channels + cu * V;
-        load_values<V>(x[u], p.input + offset);
-        load_values<V>(dy[u], p.grad_output + offset);
-        if constexpr (RELU) {
-          A z[V];
-          if (p.z != nullptr) load_values<V>(z, p.z + offset);
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            A y = (x[u][e] - k[e].mean) * k[e].scale + shift[e];
-            if (p.z != nullptr) y += z[e];
-            dy[u][e] = y > A(0) ? dy[u][e] : A(0);
-          }
-        }
-      }
+    for (int u = 0; u < kRows; ++u) {
+      const bool ok = r + u * row_step < rows;
+      const int64_t offset = (r + u * row_step) * channels + cu * V;
+      px[u] = load_packed<V>(p.input, offset, ok);
+      pdy[u] = load_packed<V>(p.grad_output, offset, ok);
+      if constexpr (RELU) pz[u] = load_packed<V>(p.z, offset, ok && p.z != nullptr);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       if (r + u * row_step >= rows) continue;
       const int64_t offset = (r + u * row_step) * channels + cu * V;
+      A x[V];
+      A dy[V];
+      unpack(x, px[u]);
+      unpack(dy, pdy[u]);
+      if constexpr (RELU) {
+        A z[V];
+        unpack(z, pz[u]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          A y = (x[e] - k[e].mean) * k[e].scale + shift[e];
+          if (p.z != nullptr) y += z[e];
+          dy[e] = y > A(0) ? dy[e] : A(0);
+        }
+      }
       A dx[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) {
-        dx[e] = (dy[u][e] - k[e].mean_dy - (x[u][e] - k[e].mean) * k[e].factor) * k[e].scale;
+        dx[e] = (dy[e] - k[e].mean_dy - (x[e] - k[e].mean) * k[e].factor) * k[e].scale;
       }
       store_values<V>(p.grad_input + offset, dx);
       if constexpr (RELU) {
-        if (p.grad_z != nullptr) store_values<V>(p.grad_z + offset, dy[u]);
+        if (p.grad_z != nullptr) store_values<V>(p.grad_z + offset, dy);
       }
     }
   }

@@ -73,24 +73,27 @@ __global__ void __launch_bounds__(kThreads) forward_channels_last(ForwardParams<
   }
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; r < rows; r += kUnroll * row_step) {
-    A x[kUnroll][V];
-    A z[kUnroll][V];
+    Packed<T, V> px[kUnroll];
+    Packed<T, V> pz[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
+      const bool ok = r + u * row_step < rows;
       const int64_t offset = (r + u * row_step) * channels + cu * V;
-      if (r + u * row_step < rows) {
-        load_values<V>(x[u], p.input + offset);
-        if (p.z != nullptr) load_values<V>(z[u], p.z + offset);
-      }
+      px[u] = load_packed<V>(p.input, offset, ok);
+      pz[u] = load_packed<V>(p.z, offset, ok && p.z != nullptr);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       if (r + u * row_step >= rows) continue;
+      A x[V];
+      A z[V];
+      unpack(x, px[u]);
+      unpack(z, pz[u]);
       A y[V];
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        A v = (x[u][k] - mean[k]) * scale[k] + shift[k];
-        if (p.z != nullptr) v += z[u][k];
+        A v = (x[k] - mean[k]) * scale[k] + shift[k];
+        if (p.z != nullptr) v += z[k];
         y[k] = p.relu && v <= A(0) ? A(0) : v;
       }
       store_values<V>(p.output + (r + u * row_step) * channels + cu * V, y);

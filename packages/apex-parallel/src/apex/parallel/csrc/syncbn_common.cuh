@@ -215,6 +215,46 @@ __device__ __forceinline__ void store_values(T* p, const A (&src)[N]) {
   }
 }
 
+// Rows a channels-last reduce or backward thread loads at once: kUnroll, or two for the fused-ReLU
+// variants, which also load z and hold the mask's per-channel constants (with four rows of three
+// tensors they took 131-145 registers, one block a multiprocessor; held to 128, they spilled).
+constexpr int rows_in_flight(bool relu) { return relu ? 2 : kUnroll; }
+// Blocks a multiprocessor holds of those kernels: two, i.e. 128 registers at most.
+constexpr int kRowsInFlightBlocks = 2;
+
+// A row's V elements of T as loaded. The kernels that unroll over rows load every row's vectors
+// into these first and convert them afterwards: `if (in range) load_values(x[u], ...)` with the
+// conversion (and the ReLU mask) in the same row's branch compiled (nvcc 13.0, sm_90a) into a
+// branch per row whose loads reused the previous row's registers, so each thread had one row's
+// loads in flight (16-48 bytes): on the H200 the channels-last Welford kernel took 2.1 passes of
+// time for its one read, the reduction with z 4.0 for three. Loaded under a predicate and used
+// after, the rows' loads issue back to back (checked in the SASS; not yet timed: no GPU was lent).
+template <typename T, int V>
+using Packed = apex::AlignedVector<T, V>;
+
+// The vector at base + offset when `ok`, else zeros (0 in every floating type once unpacked);
+// base may then be null and is not read.
+template <int V, typename T>
+__device__ __forceinline__ Packed<T, V> load_packed(const T* base, int64_t offset, bool ok) {
+  // Zeroed as whole words: element-wise zeros of 16-bit types compiled to byte permutes, which
+  // also kept the loads apart again.
+  Packed<T, V> v;
+  memset(&v, 0, sizeof(v));
+  if (ok) v = apex::load_vector_whole<T, V>(base + offset);
+  return v;
+}
+
+// The elements of a packed vector in the arithmetic type.
+template <int V, typename T, typename A>
+__device__ __forceinline__ void unpack(A (&dst)[V], const Packed<T, V>& v) {
+  if constexpr (std::is_same_v<A, float>) {
+    apex::to_floats(dst, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) dst[k] = static_cast<A>(v.val[k]);
+  }
+}
+
 template <typename W, typename A>
 __device__ __forceinline__ A load_or(const W* p, int64_t i, A fallback) {
   return p != nullptr ? static_cast<A>(p[i]) : fallback;

@@ -58,35 +58,30 @@ __global__ void __launch_bounds__(kThreads) welford_channels_first(const T* __re
   PlaneCursor cursor{j / plane_units, j % plane_units};
   const int64_t plane = plane_units * V;
   for (; j < end; j += static_cast<int64_t>(kUnroll) * blockDim.x) {
+    Packed<T, V> packed[kUnroll];
+    bool ok[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      ok[u] = j + u * static_cast<int64_t>(blockDim.x) < end;
+      packed[u] = load_packed<V>(input, (cursor.n * channels + c) * plane + cursor.l * V, ok[u]);
+      cursor.advance(step, plane_units);
+    }
     A x[kUnroll * V];
     bool valid[kUnroll * V];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const bool ok = j + u * static_cast<int64_t>(blockDim.x) < end;
       A v[V];
-      if (ok) load_values<V>(v, input + (cursor.n * channels + c) * plane + cursor.l * V);
+      unpack(v, packed[u]);  // zeros where not ok
 #pragma unroll
       for (int k = 0; k < V; ++k) {
-        x[u * V + k] = ok ? v[k] : A(0);
-        valid[u * V + k] = ok;
+        x[u * V + k] = v[k];
+        valid[u * V + k] = ok[u];
       }
-      cursor.advance(step, plane_units);
     }
     welford_batch(w, x, valid);
   }
   w = apex::block_welford(w, shared);
   if (threadIdx.x == 0) write_welford(out, w, chunk, c, channels);
-}
-
-// The elements of a loaded vector in the arithmetic type.
-template <typename T, int V, typename A>
-__device__ __forceinline__ void unpack(A (&dst)[V], const apex::AlignedVector<T, V>& v) {
-  if constexpr (std::is_same_v<A, float>) {
-    apex::to_floats(dst, v);
-  } else {
-#pragma unroll
-    for (int k = 0; k < V; ++k) dst[k] = static_cast<A>(v.val[k]);
-  }
 }
 
 // Rows a channels-last thread folds into shifted sums before it merges them into its state.
@@ -130,13 +125,16 @@ __global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __res
   const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
        r += kUnroll * row_step) {
-    A x[kUnroll][V];
+    Packed<T, V> packed[kUnroll];
     bool ok[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       ok[u] = r + u * row_step < rows;
-      if (ok[u]) load_values<V>(x[u], input + (r + u * row_step) * channels + cu * V);
+      packed[u] = load_packed<V>(input, (r + u * row_step) * channels + cu * V, ok[u]);
     }
+    A x[kUnroll][V];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) unpack(x[u], packed[u]);
 #pragma unroll
     for (int k = 0; k < V; ++k) {
       A column[kUnroll];
@@ -183,12 +181,12 @@ __global__ void __launch_bounds__(kThreads, kWelfordLastBlocks<A>)
   for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
        r += kUnroll * row_step) {
     // The rows stay packed until used (as floats they would not fit in kWelfordLastBlocks' registers).
-    apex::AlignedVector<T, V> packed[kUnroll];
+    Packed<T, V> packed[kUnroll];
     bool ok[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       ok[u] = r + u * row_step < rows;
-      if (ok[u]) packed[u] = apex::load_vector_whole<T, V>(input + (r + u * row_step) * channels + cu * V);
+      packed[u] = load_packed<V>(input, (r + u * row_step) * channels + cu * V, ok[u]);
     }
     if (count == A(0)) {
       A x[kUnroll][V];
