@@ -27,18 +27,19 @@ def _count_tensor(count: int, device: torch.device) -> torch.Tensor:
     return found
 
 
-# Where a fused-ReLU backward with z's gradient gets the masked gradient: written by the reduction
-# (reduce_bn_relu_c_last's masked=True), then read by the plain input-gradient kernel (one pass less
-# than the default, which reads dy, x and z in both kernels and writes it from the second).
-# APEX_SYNCBN_MASKED_IN_REDUCE=1 at import, or set in-process; off until it has been timed on a GPU
-# (written while none was lent). Both give the same values up to the kernels' rounding.
 def _env_switch(name: str) -> bool:
+    """An environment variable that must be "0" (the default when unset) or "1"."""
     value = os.environ.get(name, "0")
     if value not in ("0", "1"):
         raise ValueError(f'{name} must be "0" or "1", got "{value}"')
     return value == "1"
 
 
+# Where a fused-ReLU backward with z's gradient gets the masked gradient: written by the reduction
+# (reduce_bn_relu_c_last's masked=True), then read by the plain input-gradient kernel (one pass less
+# than the default, which reads dy, x and z in both kernels and writes it from the second).
+# APEX_SYNCBN_MASKED_IN_REDUCE=1 at import, or set in-process; off until it has been timed on a GPU
+# (written while none was lent). Both give the same values up to the kernels' rounding.
 _MASKED_IN_REDUCE = _env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
 
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
