@@ -73,7 +73,10 @@ class Names:
 
     @property
     def plugin(self) -> str:
-        # The name apex-core's namespace scan gives the package in a source tree: its folder.
+        # The name apex-core's namespace scan gives the package in a source tree: its folder, or
+        # contrib_<folder> for a contrib package beside a top-level one of that name (optimizers).
+        if self.contrib and (PACKAGES / f"apex-{self.leaf.replace('_', '-')}").is_dir():
+            return f"contrib_{self.leaf}"
         return self.leaf
 
     @property
@@ -199,8 +202,7 @@ from setuptools import setup
 
 sys.path.insert(0, str(Path(__file__).parent / "src"))
 
-from apex.core.build import setup_kernel_package
-from ${import_path}._plugin import KERNELS
+${setup_imports}
 
 setup(**setup_kernel_package(KERNELS))
 """
@@ -652,6 +654,10 @@ def package_files(names: Names) -> dict[Path, str]:
         "bench_imports": import_block(bench_imports),
         "require_kernels_call": f'\n    require_kernels("{names.plugin}")' if kernels else "",
     }
+    setup_imports = [
+        "from apex.core.build import setup_kernel_package",
+        f"from {names.import_path}._plugin import KERNELS",
+    ]
     pkg = names.package_dir
     files = {
         Path("README.md"): render(README_MD, names, kernel_sentence=kernel_sentence),
@@ -669,7 +675,7 @@ def package_files(names: Names) -> dict[Path, str]:
         Path("benchmarks") / "NOTES.md": render(NOTES_MD, names),
     }
     if kernels:
-        files[Path("setup.py")] = render(SETUP_PY, names)
+        files[Path("setup.py")] = render(SETUP_PY, names, setup_imports=import_block(setup_imports))
         files[pkg / "csrc" / "scale.cu"] = render(KERNEL_CU, names)
     return files
 

@@ -46,6 +46,17 @@ def test_a_broken_plugin_is_isolated_and_reported(broken_plugin, capsys):
     assert "PROBLEM: brokenthing" in out
 
 
+def test_a_contrib_package_beside_a_top_level_one_of_its_name_gets_a_contrib_prefix(tmp_path, monkeypatch):
+    for folder in (tmp_path / "apex" / "widget", tmp_path / "apex" / "contrib" / "widget"):
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+        (folder / "_plugin.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = dict(plugins._scan_namespace())
+    assert found["widget"] == "apex.widget._plugin:PLUGIN"
+    assert found["contrib_widget"] == "apex.contrib.widget._plugin:PLUGIN"
+
+
 def test_lockstep_versions_are_checked():
     core = plugins.get("core")
     stray = plugins.PluginRecord("stray", "x:PLUGIN", "entry point", core.plugin, "9.9.9")

@@ -78,7 +78,7 @@ def report(as_json: bool = False, file=None) -> int:
         print(f"{key:<22}{value}", file=file)
     print("-" * 72, file=file)
     for row in rows:
-        head = f"{row['name']:<16}{row['distribution'] or '?':<24}{row['version']:<12}"
+        head = f"{row['name']:<20}{row['distribution'] or '?':<24}{row['version']:<12}"
         if row["error"]:
             print(f"{head}BROKEN: {row['error']}", file=file)
             continue
@@ -95,7 +95,7 @@ def list_plugins(file=None) -> int:
     file = file or sys.stdout
     for record in plugins.discover():
         provides = ", ".join(record.plugin.provides) if record.plugin else f"BROKEN: {record.error}"
-        print(f"{record.name:<16}{record.version:<12}{provides}", file=file)
+        print(f"{record.name:<20}{record.version:<12}{provides}", file=file)
     return 0
 
 

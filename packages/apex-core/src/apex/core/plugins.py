@@ -58,9 +58,12 @@ def _load(record: PluginRecord) -> PluginRecord:
 def _scan_namespace() -> list[tuple[str, str]]:
     """(name, "apex.x._plugin:PLUGIN") for every apex.x and apex.contrib.x holding a _plugin.py.
 
-    Looks at files only, so a broken package is reported when loaded, not while scanning.
+    A contrib package is named by its folder, or ``contrib_<folder>`` where a top-level package
+    has that name (apex.contrib.optimizers beside apex.optimizers), as tools/new_package.py names
+    its entry point. Looks at files only, so a broken package is reported when loaded, not while
+    scanning.
     """
-    found = []
+    found: list[tuple[str, str]] = []
     for prefix in ("apex", "apex.contrib"):
         try:
             package = importlib.import_module(prefix)
@@ -70,9 +73,13 @@ def _scan_namespace() -> list[tuple[str, str]]:
             package.__path__ = pkgutil.extend_path(package.__path__, prefix)
         for folder in map(Path, package.__path__):
             for candidate in sorted(folder.glob("*/_plugin.py")):
-                name = candidate.parent.name
-                if name != "contrib":
-                    found.append((name, f"{prefix}.{name}._plugin:PLUGIN"))
+                module = candidate.parent.name
+                if module == "contrib":
+                    continue
+                name = module
+                if prefix == "apex.contrib" and any(seen == module for seen, _ in found):
+                    name = f"contrib_{module}"
+                found.append((name, f"{prefix}.{module}._plugin:PLUGIN"))
     return found
 
 

@@ -1,0 +1,4 @@
+from apex.core.descriptors import KernelLibrary, Plugin
+
+KERNELS = KernelLibrary.of_package("contrib.group_norm")
+PLUGIN = Plugin.of_package("contrib.group_norm", kernels=KERNELS)
