@@ -1,0 +1,829 @@
+"""DistributedFusedAdam: Adam/AdamW with ZeRO-2 sharding of gradients and optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from apex.contrib.optimizers import _distributed_adam_ops  # noqa: F401  (registers the ops)
+from apex.optimizers import _ops as _optimizer_ops  # noqa: F401  (registers apex_optimizers.fused_adam)
+
+__all__ = ["DistributedFusedAdam"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_CHUNK_SIZE = 65536
+_STATE_DICT_FORMAT = 2
+# torch 2.13 names the single-tensor collectives *_single and deprecates *_tensor; 2.11 has only the latter.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class _Fragment:
+    """The part of one parameter that lies in one bucket."""
+
+    param: torch.Tensor
+    group_index: int
+    param_range: tuple[int, int]  # in the flattened parameter
+    bucket_range: tuple[int, int]  # in the bucket
+    # The part in this rank's shard, or None: range in the shard, and the matching range in the parameter.
+    shard_range: tuple[int, int] | None
+    shard_param_range: tuple[int, int] | None
+
+
+@dataclass
+class _Bucket:
+    """One bucket: its layout, this rank's optimizer state and its gradient/parameter buffers."""
+
+    index: int
+    fragments: list[_Fragment] = field(default_factory=list)
+    params: set = field(default_factory=set)
+    # Optimizer state of the local shard.
+    exp_avg: torch.Tensor | None = None
+    exp_avg_sq: torch.Tensor | None = None
+    params_shard: torch.Tensor | None = None  # store_params: master values in `dtype`
+    param_remainders: torch.Tensor | None = None  # store_param_remainders: int16 low halves
+    # Gradients: local contributions not yet reduced, the reduced shard, the collective in flight.
+    local_grads: torch.Tensor | None = None
+    grads_shard: torch.Tensor | None = None
+    grads_ready: set = field(default_factory=set)
+    grad_sync: tuple | None = None  # (work, output shard)
+    param_gather: tuple | None = None  # (work, gathered bucket)
+
+
+class DistributedFusedAdam(torch.optim.Optimizer):
+    r"""Adam/AdamW whose gradients and optimizer state are sharded over data-parallel ranks (ZeRO-2).
+
+    The parameters (those that require gradients) are laid out in one flat range, each starting at a
+    multiple of 128 bytes of ``grad_sync_dtype``, in reverse order of the parameter groups (the order
+    in which a backward pass usually produces their gradients), and cut into fixed-size buckets of
+    ``bucket_cap_mb``; each bucket is split into equal shards, one per rank of the distributed group.
+    A rank keeps optimizer state (``exp_avg``, ``exp_avg_sq`` in ``dtype``, and the master values:
+    ``dtype`` copies with ``store_params``, or the low 16 bits of fp32 masters of bf16 parameters with
+    ``store_param_remainders``) for its shards only.
+
+    During backward a hook on each parameter (``register_post_accumulate_grad_hook``) adds its
+    gradient to its buckets' local buffers (in ``grad_sync_dtype``) and sets ``param.grad`` to None;
+    with ``overlap_grad_sync`` a bucket whose parameters all have their gradient is reduce-scattered
+    at once (asynchronously; at most ``pipeline_size`` collectives in flight), otherwise in
+    :meth:`grad_sync` or :meth:`step`. Reduced shards accumulate over several backward passes until
+    :meth:`zero_grad`; :meth:`no_sync` defers the reduction (gradient accumulation). :meth:`step`
+    applies Adam to the local shards and all-gathers the parameters (in ``param_sync_dtype``) back
+    into the model's parameters.
+
+    The math (upstream's kernels; ``adam_w_mode=False``: L2 regularisation ``g += wd * p``)::
+
+        m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)  [- lr * wd * p in AdamW mode]
+
+    With ``dtype=torch.float32`` the step runs apex-optimizers' ``fused_adam`` op on the shards;
+    with fp16/bf16 state or parameter remainders our ``distributed_adam*`` ops.
+
+    Args: (upstream's, in upstream's order)
+        params: parameters or parameter groups (fp32, fp16 or bf16, contiguous, on ``device``).
+        lr, bias_correction, betas, eps, adam_w_mode, weight_decay: as ``apex.optimizers.FusedAdam``.
+        amsgrad: not supported; True raises RuntimeError (as upstream).
+        dtype: dtype of the optimizer state (fp32, fp16 or bf16).
+        grad_sync_dtype: dtype of the gradient buckets and their reduce-scatter (default ``dtype``).
+        param_sync_dtype: dtype of the parameter all-gather (default ``dtype``).
+        device: where the state lives; must be the parameters' device ("cuda" means the current
+            CUDA device; pass "cpu" for CPU parameters with gloo).
+        process_group: the data-parallel group (default: the default group). Parameters are
+            broadcast from its first rank at construction.
+        distributed_process_group: the group the state is sharded over (default ``process_group``);
+        redundant_process_group: the group it is replicated over (default: none). Hybrid sharding:
+            ``process_group`` size must be the product of the two sizes; each reduced shard is then
+            all-reduced over the redundant group.
+        average_grad_sync: average (rather than sum) the gradients over ranks.
+        overlap_grad_sync: reduce-scatter buckets during backward as they fill.
+        overlap_param_sync: ``step`` starts the all-gathers without waiting; they are finished (and the
+            parameters written) by the first forward pass of any ``nn.Module`` afterwards (a global
+            forward pre-hook), or by :meth:`param_sync`, :meth:`zero_grad`, :meth:`step` or
+            :meth:`state_dict`. Upstream instead hooks each parameter's first use. Code that reads
+            the parameters outside a module's forward must call :meth:`param_sync` first.
+        bucket_cap_mb: bucket size in MiB (of ``grad_sync_dtype``), as upstream rounds it: the shard
+            is ``bucket_cap_mb`` MiB / world size, rounded down to a multiple of 128 bytes (at least 128).
+        pipeline_size: the most collectives of one kind in flight at once.
+        contiguous_param_buffer: not supported (raises NotImplementedError).
+        contiguous_grad_buffer: keep the gradient buckets in one persistent buffer;
+            :meth:`grad_buffer_view` then gives a parameter's (unreduced, local) gradient in it.
+        store_params: keep master copies of the parameters in ``dtype`` (else the step starts from the
+            model's parameter values).
+        store_param_remainders: bf16 parameters with fp32 state: keep only the low 16 bits of the fp32
+            masters (needs ``store_params=False``, ``dtype=torch.float32`` and
+            ``param_sync_dtype=torch.bfloat16``, as upstream).
+        with_scaled_states, nccl_ub, capturable: not supported; True raises NotImplementedError.
+
+    Mixed precision: ``step(grad_scaler=scaler)`` (what ``torch.amp.GradScaler.step`` passes) unscales
+    inside the step and skips it on the device when a gradient is inf/NaN (on any rank), without a host
+    sync; ``scaler.update()`` then sees the inf. Because the gradients live in the optimizer's shards,
+    ``scaler.unscale_(optimizer)`` cannot see them: call ``optimizer.unscale_grads(grad_scaler=scaler)``
+    instead (before :meth:`clip_grad_norm`); a step after ``scaler.unscale_`` raises.
+
+    Differences from upstream: no CUDA side streams (collectives run asynchronously through
+    ``async_op=True``); parameter state is made at construction, not on the first backward (the
+    parameters must be complete then); a parameter that received no gradient is stepped with a zero
+    gradient, as upstream steps whole buckets; ``state["step"]`` is a one-element fp32 tensor on
+    ``device`` (so that a skipped GradScaler step is not counted without a host sync; upstream: an int).
+    The state dict is upstream's v2 format (see :meth:`state_dict`).
+    """
+
+    _step_supports_amp_scaling = True
+    _custom_amp_unscale_grads = True
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        dtype=torch.float32,
+        grad_sync_dtype=None,
+        param_sync_dtype=None,
+        device="cuda",
+        process_group=None,
+        distributed_process_group=None,
+        redundant_process_group=None,
+        average_grad_sync=True,
+        overlap_grad_sync=True,
+        overlap_param_sync=False,
+        bucket_cap_mb=100.0,
+        pipeline_size=2,
+        contiguous_param_buffer=False,
+        contiguous_grad_buffer=False,
+        store_params=True,
+        store_param_remainders=False,
+        with_scaled_states=False,
+        nccl_ub=False,
+        capturable=False,
+    ):
+        name = "DistributedFusedAdam"
+        if amsgrad:
+            raise RuntimeError(f"{name} does not support the AMSGrad variant (amsgrad=True)")
+        for flag, value, why in (
+            ("with_scaled_states", with_scaled_states, "per-tensor scaled fp16/bf16 state is not implemented"),
+            ("nccl_ub", nccl_ub, "NCCL user buffers (apex.contrib.nccl_allocator) are not implemented"),
+            ("capturable", capturable, "CUDA-graph capture of the step is not implemented"),
+            ("contiguous_param_buffer", contiguous_param_buffer, "parameters as views of one buffer are not implemented"),
+        ):  # fmt: skip
+            if value:
+                raise NotImplementedError(f"{name}: {flag}=True is not supported: {why}")
+        _check_number(name, "lr", lr, allow_tensor=True)
+        _check_number(name, "eps", eps)
+        _check_number(name, "weight_decay", weight_decay)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"{name}: invalid betas={betas}; expected two numbers in [0, 1)")
+        grad_sync_dtype = dtype if grad_sync_dtype is None else grad_sync_dtype
+        param_sync_dtype = dtype if param_sync_dtype is None else param_sync_dtype
+        for arg, value in (("dtype", dtype), ("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+            if value not in _SUPPORTED_DTYPES:
+                raise ValueError(f"{name}: {arg}={value} is not supported; expected float32, float16 or bfloat16")
+        if store_param_remainders:
+            if store_params:
+                raise RuntimeError(f"{name}: store_param_remainders=True needs store_params=False")
+            if dtype != torch.float32 or param_sync_dtype != torch.bfloat16:
+                raise RuntimeError(
+                    f"{name}: store_param_remainders=True needs dtype=torch.float32 and "
+                    f"param_sync_dtype=torch.bfloat16 (got dtype={dtype}, param_sync_dtype={param_sync_dtype})"
+                )
+        if not (isinstance(bucket_cap_mb, numbers.Real) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+            raise ValueError(f"{name}: bucket_cap_mb must be a positive number, got {bucket_cap_mb}")
+        if not (isinstance(pipeline_size, int) and pipeline_size >= 1):
+            raise ValueError(f"{name}: pipeline_size must be an int >= 1, got {pipeline_size}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{name} needs an initialized torch.distributed process group")
+
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.adam_w_mode = bool(adam_w_mode)
+        self.dtype = dtype
+        self.grad_sync_dtype = grad_sync_dtype
+        self.param_sync_dtype = param_sync_dtype
+        self.device = _resolve_device(name, device)
+        self.average_grad_sync = bool(average_grad_sync)
+        self.overlap_grad_sync = bool(overlap_grad_sync)
+        self.overlap_param_sync = bool(overlap_param_sync)
+        self.pipeline_size = pipeline_size
+        self.contiguous_param_buffer = False
+        self.contiguous_grad_buffer = bool(contiguous_grad_buffer)
+        self.store_params = bool(store_params)
+        self.store_param_remainders = bool(store_param_remainders)
+        self.with_scaled_states = False
+        self.nccl_ub = False
+        self.capturable = False
+
+        # Process groups: state sharded over `distributed`, replicated over `redundant`.
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.distributed_process_group = (
+            self.process_group if distributed_process_group is None else distributed_process_group
+        )
+        self.redundant_process_group = redundant_process_group
+        self.process_group_size = dist.get_world_size(self.process_group)
+        self.distributed_size = dist.get_world_size(self.distributed_process_group)
+        self.distributed_rank = dist.get_rank(self.distributed_process_group)
+        self.redundant_size = 1 if redundant_process_group is None else dist.get_world_size(redundant_process_group)
+        if self.process_group_size != self.distributed_size * self.redundant_size:
+            raise RuntimeError(
+                f"{name}: invalid process groups: process_group has {self.process_group_size} ranks but "
+                f"distributed_process_group has {self.distributed_size} and redundant_process_group "
+                f"{self.redundant_size} (their product must match)"
+            )
+        self.process_group_root = dist.get_global_rank(self.process_group, 0)
+        self._average_in_collective = (
+            self.average_grad_sync
+            and self.redundant_size == 1
+            and dist.get_backend(self.distributed_process_group) == dist.Backend.NCCL
+        )
+
+        # Bucket geometry (upstream's rule): shards are multiples of 128 bytes of grad_sync_dtype.
+        element_size = torch.finfo(grad_sync_dtype).bits // 8
+        self.alignment = 128 // element_size
+        bucket_elements = 1024 * 1024 * bucket_cap_mb / element_size
+        shard_size = int(bucket_elements / self.distributed_size) // self.alignment * self.alignment
+        self.shard_size = max(shard_size, self.alignment)
+        self.bucket_size = self.shard_size * self.distributed_size
+
+        self._check_params(name)
+        self._broadcast_params()
+        self._build_buckets()
+        self.state["step"] = torch.zeros(1, dtype=torch.float32, device=self.device)
+        self._grad_scale = torch.ones(1, dtype=torch.float32, device=self.device)
+        self._grad_norm: torch.Tensor | None = None
+        self._grad_sync_enabled = True
+        self._grad_syncs_in_flight: list[_Bucket] = []
+        self._param_gathers_in_flight: list[_Bucket] = []
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._post_accumulate_grad_hook) for p in self._ordered_params
+        ]
+        self._forward_hook = None
+        if self.overlap_param_sync:
+            self_ref = weakref.ref(self)
+
+            def finish_param_sync(module, args):
+                optimizer = self_ref()
+                if optimizer is not None and optimizer._param_gathers_in_flight:
+                    optimizer.param_sync()
+
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(finish_param_sync)
+
+    # --- construction -------------------------------------------------------------------------
+
+    def _check_params(self, name: str) -> None:
+        self._ordered_params: list[torch.Tensor] = []
+        self._group_of: dict[torch.Tensor, int] = {}
+        seen = set()
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = f"param_groups[{g}]['params'][{i}]"
+                if p.dtype not in _SUPPORTED_DTYPES:
+                    raise TypeError(f"{name}: {where} has dtype {p.dtype}; expected float32, float16 or bfloat16")
+                if p.device != self.device:
+                    raise ValueError(f"{name}: {where} is on {p.device} but device={self.device}")
+                if not p.is_contiguous():
+                    raise ValueError(f"{name}: {where} is not contiguous")
+                if self.store_param_remainders and p.dtype != torch.bfloat16:
+                    raise RuntimeError(f"{name}: store_param_remainders=True needs bf16 parameters; {where} is {p.dtype}")
+                if p.requires_grad and p.numel() > 0 and p not in seen:
+                    seen.add(p)
+                    self._ordered_params.append(p)
+                    self._group_of[p] = g
+        # Reverse order: a backward pass usually produces the last parameters' gradients first.
+        self._ordered_params.reverse()
+
+    @torch.no_grad()
+    def _broadcast_params(self) -> None:
+        works = [
+            dist.broadcast(p, src=self.process_group_root, group=self.process_group, async_op=True)
+            for group in self.param_groups
+            for p in group["params"]
+        ]
+        for work in works:
+            work.wait()
+
+    @torch.no_grad()
+    def _build_buckets(self) -> None:
+        self._param_range: dict[torch.Tensor, tuple[int, int]] = {}
+        offset = 0
+        for p in self._ordered_params:
+            offset = -(-offset // self.alignment) * self.alignment
+            self._param_range[p] = (offset, offset + p.numel())
+            offset += p.numel()
+        num_buckets = -(-offset // self.bucket_size)
+        self._buckets = [_Bucket(i) for i in range(num_buckets)]
+        self._param_buckets: dict[torch.Tensor, list[_Bucket]] = {p: [] for p in self._ordered_params}
+        shard_start = self.distributed_rank * self.shard_size
+        for p in self._ordered_params:
+            start, end = self._param_range[p]
+            for b in range(start // self.bucket_size, (end - 1) // self.bucket_size + 1):
+                bucket = self._buckets[b]
+                lo, hi = max(start, b * self.bucket_size), min(end, (b + 1) * self.bucket_size)
+                in_bucket = (lo - b * self.bucket_size, hi - b * self.bucket_size)
+                s_lo, s_hi = max(in_bucket[0], shard_start), min(in_bucket[1], shard_start + self.shard_size)
+                local = s_lo < s_hi
+                bucket.fragments.append(
+                    _Fragment(
+                        param=p,
+                        group_index=self._group_of[p],
+                        param_range=(lo - start, hi - start),
+                        bucket_range=in_bucket,
+                        shard_range=(s_lo - shard_start, s_hi - shard_start) if local else None,
+                        shard_param_range=(s_lo + b * self.bucket_size - start, s_hi + b * self.bucket_size - start)
+                        if local
+                        else None,
+                    )
+                )
+                bucket.params.add(p)
+                self._param_buckets[p].append(bucket)
+        self._grad_buffer = None
+        if self.contiguous_grad_buffer:
+            self._grad_buffer = torch.zeros(
+                num_buckets * self.bucket_size, dtype=self.grad_sync_dtype, device=self.device
+            )
+        for bucket in self._buckets:
+            bucket.exp_avg = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+            bucket.exp_avg_sq = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+            if self.store_params:
+                bucket.params_shard = self._pack_params(bucket, self.dtype)
+            if self.store_param_remainders:
+                bucket.param_remainders = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
+
+    def _local_fragments(self, bucket: _Bucket):
+        return [f for f in bucket.fragments if f.shard_range is not None]
+
+    def _pack_params(self, bucket: _Bucket, dtype: torch.dtype) -> torch.Tensor:
+        """The model's values of this rank's shard of ``bucket``, in ``dtype`` (zeros in padding)."""
+        shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        for f in self._local_fragments(bucket):
+            shard[slice(*f.shard_range)].copy_(f.param.detach().view(-1)[slice(*f.shard_param_range)])
+        return shard
+
+    # --- gradients ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _post_accumulate_grad_hook(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        flat = grad.detach().reshape(-1)
+        for bucket in self._param_buckets[param]:
+            if bucket.grad_sync is not None:  # a new contribution must not change a buffer being reduced
+                self._finish_grad_sync(bucket)
+            local = self._local_grads(bucket)
+            for f in bucket.fragments:
+                if f.param is param:
+                    local[slice(*f.bucket_range)].add_(flat[slice(*f.param_range)])
+            bucket.grads_ready.add(param)
+        param.grad = None
+        if self.overlap_grad_sync and self._grad_sync_enabled:
+            for bucket in self._param_buckets[param]:
+                if len(bucket.grads_ready) == len(bucket.params):
+                    self._start_grad_sync(bucket)
+
+    def _local_grads(self, bucket: _Bucket) -> torch.Tensor:
+        if bucket.local_grads is None:
+            if self._grad_buffer is not None:
+                view = self._grad_buffer[bucket.index * self.bucket_size : (bucket.index + 1) * self.bucket_size]
+                bucket.local_grads = view.zero_()
+            else:
+                bucket.local_grads = torch.zeros(self.bucket_size, dtype=self.grad_sync_dtype, device=self.device)
+        return bucket.local_grads
+
+    def _start_grad_sync(self, bucket: _Bucket) -> None:
+        output = torch.empty(self.shard_size, dtype=self.grad_sync_dtype, device=self.device)
+        op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
+        work = _reduce_scatter(output, bucket.local_grads, op=op, group=self.distributed_process_group, async_op=True)
+        bucket.grad_sync = (work, output)
+        bucket.grads_ready.clear()
+        self._grad_syncs_in_flight.append(bucket)
+        while len(self._grad_syncs_in_flight) > self.pipeline_size:
+            self._finish_grad_sync(self._grad_syncs_in_flight[0])
+
+    def _finish_grad_sync(self, bucket: _Bucket) -> None:
+        work, output = bucket.grad_sync
+        work.wait()
+        bucket.grad_sync = None
+        self._grad_syncs_in_flight.remove(bucket)
+        if self.redundant_size > 1:
+            dist.all_reduce(output, group=self.redundant_process_group)
+        if self.average_grad_sync and not self._average_in_collective:
+            output.div_(self.process_group_size)
+        if bucket.grads_shard is None:
+            bucket.grads_shard = output
+        else:
+            bucket.grads_shard.add_(output)
+        bucket.local_grads = None  # the persistent buffer is zeroed when it is next used
+        self._grad_norm = None
+
+    def grad_sync(self) -> None:
+        """Reduce-scatter every bucket holding unreduced gradients, and wait for all of them."""
+        for bucket in self._buckets:
+            if bucket.local_grads is not None and bucket.grad_sync is None:
+                self._start_grad_sync(bucket)
+        while self._grad_syncs_in_flight:
+            self._finish_grad_sync(self._grad_syncs_in_flight[0])
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Within the context, backward passes only accumulate gradients locally (as
+        ``DistributedDataParallel.no_sync``); they are reduced by a backward pass after it, by
+        :meth:`grad_sync` or by :meth:`step`."""
+        previous = self._grad_sync_enabled
+        self._grad_sync_enabled = False
+        try:
+            yield
+        finally:
+            self._grad_sync_enabled = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (local buckets and reduced shards) and any clipping/unscaling factor."""
+        self.param_sync()
+        while self._grad_syncs_in_flight:
+            self._finish_grad_sync(self._grad_syncs_in_flight[0])
+        for bucket in self._buckets:
+            bucket.local_grads = None
+            bucket.grads_shard = None
+            bucket.grads_ready.clear()
+        for p in self._ordered_params:
+            p.grad = None
+        self._grad_scale.fill_(1.0)
+        self._grad_norm = None
+
+    def grad_buffer_view(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s local (not yet reduced) gradient in the contiguous gradient buffer."""
+        if self._grad_buffer is None:
+            raise RuntimeError("DistributedFusedAdam.grad_buffer_view needs contiguous_grad_buffer=True")
+        if param not in self._param_range:
+            raise ValueError("DistributedFusedAdam.grad_buffer_view: param is not optimized by this optimizer")
+        start, end = self._param_range[param]
+        return self._grad_buffer[start:end].view(param.shape)
+
+    # --- norms, clipping, unscaling ----------------------------------------------------------
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [b.grads_shard for b in self._buckets if b.grads_shard is not None]
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0, force: bool = False) -> torch.Tensor:
+        """The norm of the whole (reduced, unscaled) gradient, the same on every rank; a
+        one-element fp32 tensor on ``device``. Cached until the gradients change (``force``
+        recomputes)."""
+        norm_type = float(norm_type)
+        if not (norm_type > 0):
+            raise ValueError(f"DistributedFusedAdam.grad_norm: norm_type must be positive, got {norm_type}")
+        self.grad_sync()
+        if self._grad_norm is not None and not force and self._grad_norm[0] == norm_type:
+            return self._grad_norm[1]
+        shards = [s.float() for s in self._grad_shards()]
+        if math.isinf(norm_type):
+            local = torch.stack([s.abs().amax() for s in shards]).amax() if shards else torch.zeros((), device=self.device)
+            local = local.reshape(1).to(self.device)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.distributed_process_group)
+            norm = local
+        else:
+            local = sum((s.abs().pow(norm_type).sum() for s in shards), torch.zeros((), device=self.device))
+            local = local.reshape(1).to(torch.float32)
+            dist.all_reduce(local, group=self.distributed_process_group)
+            norm = local.pow(1.0 / norm_type)
+        norm = norm * self._grad_scale.abs()
+        self._grad_norm = (norm_type, norm)
+        return norm
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so their norm is at most ``max_norm`` (as
+        ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping."""
+        norm = self.grad_norm(norm_type)
+        coefficient = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+        self._grad_scale.mul_(coefficient)
+        self._grad_norm = None
+        return norm
+
+    @torch.no_grad()
+    def unscale_grads(self, inv_scale: torch.Tensor | None = None, grad_scaler=None) -> None:
+        """Multiply the gradients by ``inv_scale``, or (``grad_scaler``, a ``torch.amp.GradScaler``)
+        by the inverse of its scale, checking them for inf/NaN over all ranks and recording that in
+        the scaler as its own ``unscale_`` does (no host sync)."""
+        self.grad_sync()
+        if inv_scale is not None:
+            self._grad_scale.mul_(inv_scale.to(self.device, torch.float32).reshape(1))
+            self._grad_norm = None
+        if grad_scaler is None or not grad_scaler.is_enabled():
+            return
+        from torch.amp.grad_scaler import OptState
+
+        state = grad_scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_grads() has already been called on this optimizer since the last update()")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_grads() is being called after step()")
+        scale = grad_scaler._get_scale_async()
+        self._grad_scale.div_(scale.to(self.device, torch.float32).reshape(1))
+        self._grad_norm = None
+        state["found_inf_per_device"] = {self.device: self._found_inf()}
+        state["stage"] = OptState.UNSCALED
+
+    def _found_inf(self) -> torch.Tensor:
+        """1.0 when any rank's reduced gradient holds an inf or NaN, else 0.0 (fp32, on ``device``)."""
+        shards = self._grad_shards()
+        if shards:
+            peak = torch.stack([s.float().abs().amax() for s in shards]).amax()
+            found = (~torch.isfinite(peak)).float().reshape(1)
+        else:
+            found = torch.zeros(1, device=self.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found
+
+    # --- step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scaler=None):
+        """Reduce the remaining gradients, step the local shards, and all-gather the parameters
+        (or start that, with ``overlap_param_sync``). ``grad_scaler``: see the class docstring."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.param_sync()
+        self.grad_sync()
+        found_inf = None
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            from torch.amp.grad_scaler import OptState
+
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.READY:
+                self.unscale_grads(grad_scaler=grad_scaler)
+            elif self.device not in state["found_inf_per_device"]:
+                raise RuntimeError(
+                    "DistributedFusedAdam: GradScaler.unscale_(optimizer) cannot see this optimizer's "
+                    "gradients (they live in its shards, not in param.grad); call "
+                    "optimizer.unscale_grads(grad_scaler=scaler) instead"
+                )
+            found_inf = torch.stack(
+                [t.to(self.device, torch.float32).reshape(()) for t in state["found_inf_per_device"].values()]
+            ).amax().reshape(1)
+        step = self.state["step"]
+        if found_inf is None:
+            step.add_(1.0)
+        else:
+            step.add_(1.0 - found_inf)
+        for bucket in self._buckets:
+            self._step_bucket(bucket, step, found_inf)
+        self._grad_scale.fill_(1.0)
+        self._grad_norm = None
+        for bucket in self._buckets:
+            self._start_param_gather(bucket)
+        if not self.overlap_param_sync:
+            self.param_sync()
+        return loss
+
+    def _step_bucket(self, bucket: _Bucket, step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
+        fragments = self._local_fragments(bucket)
+        if bucket.grads_shard is None:
+            grads = torch.zeros(self.shard_size, dtype=self.grad_sync_dtype, device=self.device)
+        else:
+            grads = bucket.grads_shard
+            grads.mul_(self._grad_scale.to(grads.dtype))
+        if self.store_param_remainders:
+            master = self._pack_params(bucket, torch.bfloat16)
+        elif self.store_params:
+            master = bucket.params_shard
+        else:
+            master = self._pack_params(bucket, self.dtype)
+        separate_output = self.store_param_remainders or self.param_sync_dtype != self.dtype or self.dtype != torch.float32
+        output = torch.zeros(self.shard_size, dtype=self.param_sync_dtype, device=self.device) if separate_output else master
+        bucket.param_gather = (None, output)
+        by_group: dict[int, list[_Fragment]] = {}
+        for f in fragments:
+            by_group.setdefault(f.group_index, []).append(f)
+        noop = None
+        for g, group_fragments in by_group.items():
+            group = self.param_groups[g]
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            lr_value, lr_tensor = (0.0, lr.to(self.device, torch.float32).reshape(1)) if isinstance(lr, torch.Tensor) else (float(lr), None)
+
+            def views(t, fs=group_fragments):
+                return [t[slice(*f.shard_range)] for f in fs]
+
+            if self.dtype == torch.float32 and not self.store_param_remainders:
+                torch.ops.apex_optimizers.fused_adam(
+                    _CHUNK_SIZE, views(output), views(grads), views(bucket.exp_avg), views(bucket.exp_avg_sq),
+                    views(master) if separate_output else [], lr_value, 0, beta1, beta2, group["eps"],
+                    group["weight_decay"], self.adam_w_mode, group["bias_correction"], lr_tensor, step, None, found_inf,
+                )  # fmt: skip
+                continue
+            if noop is None:
+                noop = (
+                    torch.zeros(1, dtype=torch.int32, device=self.device)
+                    if found_inf is None
+                    else (found_inf != 0).to(torch.int32)
+                )
+            one = torch.ones(1, dtype=torch.float32, device=self.device)
+            mode = 1 if self.adam_w_mode else 0
+            if self.store_param_remainders:
+                torch.ops.apex_contrib_optimizers.distributed_adam_with_param_remainders(
+                    _CHUNK_SIZE, noop, views(master), views(bucket.param_remainders), views(bucket.exp_avg),
+                    views(bucket.exp_avg_sq), views(grads), views(output), one, lr_value, beta1, beta2,
+                    group["eps"], 0, mode, group["bias_correction"], group["weight_decay"], lr_tensor, step,
+                )  # fmt: skip
+            else:
+                torch.ops.apex_contrib_optimizers.distributed_adam(
+                    _CHUNK_SIZE, noop, views(master), views(bucket.exp_avg), views(bucket.exp_avg_sq), views(grads),
+                    views(output), one, lr_value, beta1, beta2, group["eps"], 0, mode, group["bias_correction"],
+                    group["weight_decay"], lr_tensor, step,
+                )  # fmt: skip
+
+    # --- parameter all-gather ------------------------------------------------------------------
+
+    def _start_param_gather(self, bucket: _Bucket) -> None:
+        _, shard = bucket.param_gather
+        gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
+        work = _all_gather(gathered, shard, group=self.distributed_process_group, async_op=True)
+        bucket.param_gather = (work, gathered)
+        self._param_gathers_in_flight.append(bucket)
+        while len(self._param_gathers_in_flight) > self.pipeline_size and not self.overlap_param_sync:
+            self._finish_param_gather(self._param_gathers_in_flight[0])
+
+    @torch.no_grad()
+    def _finish_param_gather(self, bucket: _Bucket) -> None:
+        work, gathered = bucket.param_gather
+        work.wait()
+        bucket.param_gather = None
+        self._param_gathers_in_flight.remove(bucket)
+        for f in bucket.fragments:
+            f.param.detach().view(-1)[slice(*f.param_range)].copy_(gathered[slice(*f.bucket_range)])
+
+    def param_sync(self) -> None:
+        """Finish the parameter all-gathers in flight and write the model's parameters."""
+        while self._param_gathers_in_flight:
+            self._finish_param_gather(self._param_gathers_in_flight[0])
+
+    def init_params(self, params=None, param_sync_dtype=None) -> None:
+        """Upstream initializes parameter state lazily, and this forces it; here the state is made
+        at construction, so there is nothing left to do (kept for code that calls it)."""
+        if param_sync_dtype is not None and param_sync_dtype != self.param_sync_dtype:
+            raise NotImplementedError(
+                "DistributedFusedAdam.init_params: a per-parameter param_sync_dtype is not supported "
+                f"(the optimizer's is {self.param_sync_dtype})"
+            )
+
+    # --- state dict ------------------------------------------------------------------------------
+
+    def _gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per bucket, the whole bucket gathered from the shards of the distributed group."""
+        outputs = []
+        works = []
+        for shard in shards:
+            out = torch.empty(self.bucket_size, dtype=shard.dtype, device=self.device)
+            works.append(_all_gather(out, shard, group=self.distributed_process_group, async_op=True))
+            outputs.append(out)
+        for work in works:
+            work.wait()
+        return outputs
+
+    @torch.no_grad()
+    def state_dict(self, *, state_dict_format: int | None = None, gather_on_root: bool | None = None) -> dict:
+        """The whole optimizer state, the same on every rank (all ranks must call it: it gathers).
+
+        Upstream's v2 format: ``torch.optim``'s layout (``param_groups`` with parameter indices,
+        ``state``) where ``state["step"]`` is the step count (an int) and ``state[i]`` holds
+        ``param`` (the master values), ``exp_avg`` and ``exp_avg_sq`` of parameter ``i`` at its full
+        shape, on the CPU, in ``dtype``; plus ``"format": 2``. It does not depend on the number of
+        ranks or the bucket size, so it loads at another world size. Upstream's deprecated v1
+        format (``state_dict_format=1``, pickled per-rank shards) is not supported.
+        """
+        if state_dict_format not in (None, _STATE_DICT_FORMAT):
+            raise ValueError(f"DistributedFusedAdam.state_dict: state_dict_format={state_dict_format} is not supported (only 2)")
+        if gather_on_root is not None:
+            raise ValueError("DistributedFusedAdam.state_dict: gather_on_root belongs to the v1 format, which is not supported")
+        self.grad_sync()
+        self.param_sync()
+        masters = []
+        for bucket in self._buckets:
+            if self.store_params:
+                masters.append(bucket.params_shard)
+            elif self.store_param_remainders:
+                bf16 = self._pack_params(bucket, torch.bfloat16)
+                masters.append(_distributed_adam_ops.bf16_and_remainder_to_fp32(bf16, bucket.param_remainders))
+            else:
+                masters.append(self._pack_params(bucket, self.dtype))
+        gathered = {
+            "param": self._gather_shards(masters),
+            "exp_avg": self._gather_shards([b.exp_avg for b in self._buckets]),
+            "exp_avg_sq": self._gather_shards([b.exp_avg_sq for b in self._buckets]),
+        }
+        index_of = {}
+        param_groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = []
+            for p in group["params"]:
+                index_of.setdefault(p, len(index_of))
+                packed["params"].append(index_of[p])
+            param_groups.append(packed)
+        state: dict = {"step": int(self.state["step"].item())}
+        for p in self._ordered_params:
+            entry = {}
+            for key, buckets in gathered.items():
+                full = torch.empty(p.numel(), dtype=self.dtype)
+                for bucket in self._param_buckets[p]:
+                    for f in bucket.fragments:
+                        if f.param is p:
+                            full[slice(*f.param_range)].copy_(buckets[bucket.index][slice(*f.bucket_range)])
+                entry[key] = full.view(p.shape)
+            state[index_of[p]] = entry
+        return {"state": state, "param_groups": param_groups, "format": _STATE_DICT_FORMAT}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict` (of any world size and bucket size). Hyperparameters come from
+        the saved groups, as with ``torch.optim``. Without ``store_params`` the saved master values
+        are not used (the model's parameters, loaded from the model's checkpoint, are); with
+        ``store_param_remainders`` the remainders are taken from them, which assumes the model's
+        bf16 parameters are the ones saved with this state."""
+        name = "DistributedFusedAdam.load_state_dict"
+        fmt = state_dict.get("format")
+        if fmt != _STATE_DICT_FORMAT:
+            raise ValueError(f"{name}: expected a state dict of format 2 (from state_dict()), got format={fmt!r}")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{name}: the state dict has {len(saved_groups)} parameter groups, the optimizer {len(self.param_groups)}")
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{name}: param_groups[{i}] has {len(saved['params'])} parameters in the state dict "
+                    f"but {len(group['params'])} in the optimizer"
+                )
+        self.grad_sync()
+        self.param_sync()
+        saved_state = state_dict["state"]
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = value
+            for index, p in zip(saved["params"], group["params"]):
+                if p not in self._param_range:
+                    continue
+                entry = saved_state.get(index)
+                if entry is None:
+                    raise ValueError(f"{name}: the state dict has no state for parameter {index}")
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    if entry[key].shape != p.shape:
+                        raise ValueError(
+                            f"{name}: state[{index}][{key!r}] has shape {tuple(entry[key].shape)}, the parameter {tuple(p.shape)}"
+                        )
+                self._load_param_state(p, entry)
+        self.state["step"].fill_(float(saved_state["step"]))
+
+    def _load_param_state(self, p: torch.Tensor, entry: dict) -> None:
+        for bucket in self._param_buckets[p]:
+            for f in self._local_fragments(bucket):
+                if f.param is not p:
+                    continue
+                shard, source = slice(*f.shard_range), slice(*f.shard_param_range)
+                bucket.exp_avg[shard].copy_(entry["exp_avg"].reshape(-1)[source])
+                bucket.exp_avg_sq[shard].copy_(entry["exp_avg_sq"].reshape(-1)[source])
+                master = entry["param"].reshape(-1)[source].to(self.device)
+                if self.store_params:
+                    bucket.params_shard[shard].copy_(master)
+                elif self.store_param_remainders:
+                    _, remainder = _distributed_adam_ops.fp32_to_bf16_and_remainder(master.float())
+                    bucket.param_remainders[shard].copy_(remainder)
+
+    def __del__(self):
+        hook = getattr(self, "_forward_hook", None)
+        if hook is not None:
+            hook.remove()
+
+
+def _check_number(owner: str, name: str, value, allow_tensor: bool = False) -> None:
+    if allow_tensor and isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{owner}: {name} must have one element, got shape {tuple(value.shape)}")
+        return
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{owner}: {name} must be a number, got {type(value).__name__}")
+    if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"{owner}: invalid {name}={value}; expected a finite number >= 0")
+
+
+def _resolve_device(owner: str, device) -> torch.device:
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"{owner}: invalid device={device!r}") from error
+    if device.type == "cuda" and device.index is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"{owner}: device='cuda' but CUDA is not available; pass device='cpu' for CPU parameters")
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
