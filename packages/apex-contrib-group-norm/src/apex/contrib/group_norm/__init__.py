@@ -1,25 +1,28 @@
-"""apex.contrib.group_norm: NHWC GroupNorm with fused SiLU (apex.contrib.group_norm).
+"""apex.contrib.group_norm: GroupNorm for channels-last (NHWC) tensors with an optional fused SiLU/Swish.
 
-Importing it registers its ops (``torch.ops.apex_contrib_group_norm.*``).
+Importing it registers its ops (``torch.ops.apex_contrib_group_norm.group_norm_forward`` and
+``group_norm_backward``). Upstream's functions live in :mod:`apex.contrib.group_norm.group_norm`
+and are re-exported here.
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.group_norm.group_norm import (
+    GroupNorm,
+    cuda_group_norm_nhwc_one_pass,
+    cuda_group_norm_nhwc_two_pass,
+    cuda_group_norm_v2_nhwc,
+    group_norm_nhwc_bprop,
+    group_norm_nhwc_fprop,
+    torch_group_norm,
+)
 
-from apex.contrib.group_norm import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_group_norm.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = [
+    "GroupNorm",
+    "cuda_group_norm_nhwc_one_pass",
+    "cuda_group_norm_nhwc_two_pass",
+    "cuda_group_norm_v2_nhwc",
+    "group_norm_nhwc_bprop",
+    "group_norm_nhwc_fprop",
+    "torch_group_norm",
+]
