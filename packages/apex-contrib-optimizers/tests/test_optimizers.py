@@ -1,129 +1,283 @@
-"""apex.contrib.optimizers's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""The deprecated contrib FusedAdam, FusedSGD and FusedLAMB against float64 references of their math,
+over several steps, with the legacy explicit-grads step (output params, loss scale, norm clipping)."""
 
 from __future__ import annotations
 
-import math
+import copy
 
 import pytest
 import torch
 
-from apex.contrib.optimizers import _ops, scale
+from apex.contrib.optimizers import FusedAdam, FusedLAMB, FusedSGD
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
+from ._reference import (
+    REDUCED,
+    ContribAdam,
+    ReferenceLAMB,
+    ReferenceSGD,
+    assert_close,
+    make_grads,
+    make_params,
+)
 
-
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
-
-
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+STEPS = 3
+ADAM = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-6)
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+# FusedAdam ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, *REDUCED, torch.float64])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_fused_adam_matches_float64(device, dtype, eps_inside_sqrt, weight_decay):
+    params = make_params(dtype, device)
+    ref = ContribAdam(params, weight_decay=weight_decay, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    opt = FusedAdam(params, weight_decay=weight_decay, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    for _ in range(STEPS):
+        grads = make_grads(params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        ref.step(grads, round_to=dtype)
+    for p, expected in zip(params, ref.p):
+        assert p.dtype == dtype
+        assert_close(p, expected, dtype)
+    state = opt.state[params[0]]
+    assert state["step"] == STEPS
+    assert state["exp_avg"].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+@pytest.mark.parametrize("bias_correction", [False, True])
+def test_fused_adam_without_bias_correction(device, bias_correction):
+    params = make_params(torch.float32, device, [(301,)])
+    kwargs = dict(ADAM, weight_decay=0.01, bias_correction=bias_correction)
+    ref = ContribAdam(params, eps_inside_sqrt=False, **kwargs)
+    opt = FusedAdam(params, **kwargs)
+    for _ in range(STEPS):
+        grads = make_grads(params)
+        opt.step(grads=grads)
+        ref.step(grads)
+    assert_close(params[0], ref.p[0], torch.float32)
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+def test_explicit_grads_equal_dot_grad(device, eps_inside_sqrt):
+    params_a = make_params(torch.float32, device)
+    params_b = [torch.nn.Parameter(p.detach().clone()) for p in params_a]
+    opt_a = FusedAdam(params_a, eps_inside_sqrt=eps_inside_sqrt, weight_decay=0.01)
+    opt_b = FusedAdam(params_b, eps_inside_sqrt=eps_inside_sqrt, weight_decay=0.01)
+    for _ in range(STEPS):
+        grads = make_grads(params_a)
+        for p, g in zip(params_a, grads):
+            p.grad = g.clone()
+        opt_a.step()
+        opt_b.step(grads=[g.clone() for g in grads])  # one list: the only group
+    for a, b in zip(params_a, params_b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert b.grad is None
 
 
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+@pytest.mark.parametrize("out_dtype", REDUCED)
+def test_output_params_are_the_rounded_masters(device, eps_inside_sqrt, out_dtype):
+    masters = make_params(torch.float32, device)
+    outputs = [torch.full_like(p, float("nan"), dtype=out_dtype) for p in masters]  # poisoned
+    ref = ContribAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    opt = FusedAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    for _ in range(STEPS):
+        grads = make_grads(masters, dtype=out_dtype)
+        opt.step(grads=[grads], output_params=[outputs])  # a list per group
+        ref.step(grads)
+    for master, out, expected in zip(masters, outputs, ref.p):
+        assert_close(master, expected, torch.float32)
+        torch.testing.assert_close(out, master.detach().to(out_dtype), rtol=0, atol=0)
 
 
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+@pytest.mark.parametrize("clipped", [False, True])
+def test_scale_and_max_grad_norm_are_folded_in(device, eps_inside_sqrt, clipped):
+    masters = make_params(torch.float32, device)
+    loss_scale = 1024.0
+    max_grad_norm = 0.5 if clipped else 1e6
+    ref = ContribAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    opt = FusedAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, max_grad_norm=max_grad_norm, **ADAM)
+    for _ in range(STEPS):
+        grads = make_grads(masters)
+        scaled = [g * loss_scale for g in grads]
+        scaled_norm = torch.linalg.vector_norm(torch.cat([g.reshape(-1).double() for g in scaled]))
+        true_norm = float(scaled_norm) / loss_scale
+        divisor = (true_norm + 1e-6) / max_grad_norm if clipped else 1.0
+        assert divisor > 1 or not clipped
+        opt.step(grads=scaled, scale=loss_scale, grad_norms=[scaled_norm.float()])
+        ref.step(grads, divisor=divisor)
+    for master, expected in zip(masters, ref.p):
+        assert_close(master, expected, torch.float32)
+
+
+def test_fused_adam_skips_params_without_grads(device):
+    params = make_params(torch.float32, device, [(5,), (6,)])
+    before = params[1].detach().clone()
+    opt = FusedAdam(params)
+    params[0].grad = torch.randn(5, device=device)
+    opt.step()
+    assert torch.equal(params[1].detach(), before)
+    assert params[1] not in opt.state or not opt.state[params[1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_adam_state_dict_round_trip(device, dtype):
+    params = make_params(dtype, device, [(17,), (3, 4)])
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.01)
+    grads = [make_grads(params) for _ in range(3)]
+    for g in grads[:2]:
+        opt.step(grads=g)
+    saved = copy.deepcopy(opt.state_dict())
+    for p, t in zip(params, twin):
+        t.data.copy_(p.data)
+    resumed = FusedAdam(twin, lr=0.5)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[0]["lr"] == 1e-2
+    assert resumed.state[twin[0]]["exp_avg"].dtype == torch.float32
+    opt.step(grads=grads[2])
+    resumed.step(grads=grads[2])
+    for p, t in zip(params, twin):
+        torch.testing.assert_close(p, t, rtol=0, atol=0)
+
+
+BAD_ADAM = {
+    "amsgrad": (dict(amsgrad=True), RuntimeError, "does not support the AMSGrad variant"),
+    "negative lr": (dict(lr=-1.0), ValueError, "lr=-1.0"),
+    "betas": (dict(betas=(0.9, 1.5)), ValueError, "betas"),
+    "negative eps": (dict(eps=-1e-8), ValueError, "eps=-1e-08"),
+    "negative weight_decay": (dict(weight_decay=-0.1), ValueError, "weight_decay=-0.1"),
+    "negative max_grad_norm": (dict(max_grad_norm=-1.0), ValueError, "max_grad_norm=-1.0"),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+@pytest.mark.parametrize("case", list(BAD_ADAM))
+def test_fused_adam_bad_arguments(case):
+    kwargs, error, message = BAD_ADAM[case]
+    with pytest.raises(error, match=message):
+        FusedAdam([torch.nn.Parameter(torch.randn(3))], **kwargs)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
+def test_fused_adam_bad_step_arguments():
+    params = make_params(torch.float32, "cpu", [(3,), (4,)])
+    opt = FusedAdam(params)
+    with pytest.raises(ValueError, match="grads has 1 tensors but the group has 2"):
+        opt.step(grads=[torch.randn(3)])
+    with pytest.raises(ValueError, match="scale must be positive"):
+        opt.step(grads=make_grads(params), scale=0.0)
+    with pytest.raises(ValueError, match="grad_norms has 2 entries"):
+        opt.step(grads=make_grads(params), grad_norms=[1.0, 2.0])
+    half = make_params(torch.float16, "cpu", [(3,)])
+    with pytest.raises(TypeError, match="output_params need fp32 parameters"):
+        FusedAdam(half).step(grads=make_grads(half), output_params=[torch.empty(3, dtype=torch.float16)])
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step(grads=[torch.randn(3).to_sparse(), torch.randn(4)])
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
+# FusedSGD -----------------------------------------------------------------------------------
 
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+SGD_CASES = {
+    "plain": dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, wd_after_momentum=False),
+    "momentum+wd": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False, wd_after_momentum=False),
+    "dampening": dict(momentum=0.9, dampening=0.3, weight_decay=0.0, nesterov=False, wd_after_momentum=False),
+    "nesterov": dict(momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, wd_after_momentum=False),
+    "wd_after_momentum": dict(momentum=0.8, dampening=0.0, weight_decay=0.01, nesterov=False, wd_after_momentum=True),
+}
 
 
-@pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+@pytest.mark.parametrize("case", list(SGD_CASES))
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_sgd_matches_float64(device, case, out_dtype):
+    kwargs = SGD_CASES[case]
+    masters = make_params(torch.float32, device)
+    outputs = [torch.full_like(p, float("nan"), dtype=out_dtype) for p in masters]
+    ref = ReferenceSGD(masters, lr=0.05, **kwargs)
+    opt = FusedSGD(masters, lr=0.05, **kwargs)
+    loss_scale = 8.0
+    for _ in range(STEPS):
+        grads = make_grads(masters, dtype=out_dtype)
+        opt.step(grads=[g * loss_scale for g in grads], output_params=outputs, scale=loss_scale)
+        ref.step(grads)
+    for master, out, expected in zip(masters, outputs, ref.p):
+        assert_close(master, expected, torch.float32)
+        torch.testing.assert_close(out, master.detach().to(out_dtype), rtol=0, atol=0)
 
 
-@pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_fused_sgd_needs_grads_and_output_params():
+    masters = make_params(torch.float32, "cpu", [(3,)])
+    opt = FusedSGD(masters, lr=0.1)
+    with pytest.raises(RuntimeError, match="provides grads"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="provides output_params"):
+        opt.step(grads=make_grads(masters))
+    with pytest.raises(RuntimeError, match="all parameters require grad"):
+        opt.step(grads=[None], output_params=[torch.empty(3)])
+    with pytest.raises(ValueError, match="nesterov"):
+        FusedSGD(masters, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="momentum=-1"):
+        FusedSGD(masters, lr=0.1, momentum=-1)
+    opt._amp_stash = object()
+    with pytest.raises(RuntimeError, match="should not be used with AMP"):
+        opt.step(grads=make_grads(masters), output_params=[torch.empty(3)])
+
+
+def test_fused_sgd_state_dict_round_trip():
+    masters = make_params(torch.float32, "cpu", [(9,), (2, 3)])
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in masters]
+    outputs = [torch.empty_like(p, dtype=torch.float16) for p in masters]
+    opt = FusedSGD(masters, lr=0.1, momentum=0.9)
+    grads = [make_grads(masters, dtype=torch.float16) for _ in range(3)]
+    opt.step(grads=grads[0], output_params=outputs)
+    resumed = FusedSGD(twin, lr=0.1, momentum=0.9)
+    for p, t in zip(masters, twin):
+        t.data.copy_(p.data)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    twin_outputs = [o.clone() for o in outputs]
+    for g in grads[1:]:
+        opt.step(grads=g, output_params=outputs)
+        resumed.step(grads=g, output_params=twin_outputs)
+    for p, t in zip(masters, twin):
+        torch.testing.assert_close(p, t, rtol=0, atol=0)
+
+
+# FusedLAMB ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_lamb_matches_float64(device, adam_w_mode, dtype):
+    decayed = make_params(dtype, device, [(7,), (33, 5)])
+    plain = make_params(dtype, device, [(4099,)])
+    # eps large enough that the global clipping (a constant factor on g) shows in the update
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=0.1, adam_w_mode=adam_w_mode, grad_averaging=True)
+    ref = ReferenceLAMB([(decayed, 0.05), (plain, 0.0)], max_grad_norm=1.0, **kwargs)
+    opt = FusedLAMB([{"params": decayed, "weight_decay": 0.05}, {"params": plain, "weight_decay": 0.0}], **kwargs)
+    for _ in range(STEPS):
+        grads = [make_grads(decayed), make_grads(plain)]
+        for p, g in zip(decayed + plain, grads[0] + grads[1]):
+            p.grad = g
+        opt.step()
+        ref.step(grads)
+        for ps, (ref_ps, _) in zip((decayed, plain), ref.groups):
+            for i, p in enumerate(ps):
+                ref_ps[i] = p.detach().double().clone()  # the next step reads the stored (rounded) value
+    for p, expected in zip(decayed + plain, ref.groups[0][0] + ref.groups[1][0]):
+        assert_close(p, expected, dtype)
+
+
+def test_fused_lamb_signature_and_errors():
+    import inspect
+
+    names = list(inspect.signature(FusedLAMB).parameters)
+    assert names == [
+        "params", "lr", "bias_correction", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode",
+        "grad_averaging", "set_grad_none", "max_grad_norm",
+    ]  # fmt: skip
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedLAMB([torch.nn.Parameter(torch.randn(2))], amsgrad=True)
+    assert FusedLAMB([torch.nn.Parameter(torch.randn(2))]).use_nvlamb is False

@@ -1,25 +1,17 @@
-"""apex.contrib.optimizers: DistributedFusedAdam, DistributedFusedLAMB, upstream's deprecated contrib optimizers.
+"""apex.contrib.optimizers: upstream's contrib optimizers.
 
-Importing it registers its ops (``torch.ops.apex_contrib_optimizers.*``).
+Here: the deprecated :class:`FusedAdam`, :class:`FusedLAMB` and :class:`FusedSGD` and their
+:class:`FP16_Optimizer`. ``DistributedFusedAdam`` and ``DistributedFusedLAMB`` are imported from
+their modules (``apex.contrib.optimizers.distributed_fused_adam`` / ``distributed_fused_lamb``), as
+upstream. Importing this registers the ops ``torch.ops.apex_contrib_optimizers.*``.
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.optimizers import _ops  # noqa: F401  (registers the ops)
+from apex.contrib.optimizers.fp16_optimizer import FP16_Optimizer
+from apex.contrib.optimizers.fused_adam import FusedAdam
+from apex.contrib.optimizers.fused_lamb import FusedLAMB
+from apex.contrib.optimizers.fused_sgd import FusedSGD
 
-from apex.contrib.optimizers import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_optimizers.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["FP16_Optimizer", "FusedAdam", "FusedLAMB", "FusedSGD"]
