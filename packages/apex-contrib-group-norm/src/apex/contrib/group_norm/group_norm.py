@@ -9,6 +9,8 @@ kernel for CUDA tensors, the PyTorch reference elsewhere (the CPU too).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -203,7 +205,7 @@ class GroupNorm(torch.nn.Module):
     modules would drop the activation).
     """
 
-    __constants__ = ["num_groups", "num_channels", "eps", "affine", "act"]
+    __constants__: ClassVar[list[str]] = ["num_groups", "num_channels", "eps", "affine", "act"]
     num_groups: int
     num_channels: int
     eps: float
@@ -212,8 +214,32 @@ class GroupNorm(torch.nn.Module):
 
     # Upstream's limits of its fused path, kept for code that reads them; ours has none of these.
     SUPPORTED_CHANNELS = frozenset(
-        [128, 256, 320, 384, 448, 512, 640, 768, 896, 960, 1024, 1280, 1344, 1536, 1792, 1920, 2048, 2240]
-        + [2560, 2688, 3072, 3136, 3584, 4096]
+        (
+            128,
+            256,
+            320,
+            384,
+            448,
+            512,
+            640,
+            768,
+            896,
+            960,
+            1024,
+            1280,
+            1344,
+            1536,
+            1792,
+            1920,
+            2048,
+            2240,
+            2560,
+            2688,
+            3072,
+            3136,
+            3584,
+            4096,
+        )
     )
     SUPPORTED_GROUPS = frozenset([16, 32])
     # The (input, parameter) dtype pairs of our fused path.
