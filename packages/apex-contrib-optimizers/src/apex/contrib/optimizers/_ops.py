@@ -103,8 +103,8 @@ def _check_adam_lists(a, *, with_outputs: bool) -> None:
             if t.numel() != p.numel():
                 raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but p[{i}] has {p.numel()}")
     checks.same_layouts(a.op, p=a.p, **lists)
-    if a.mode not in (EPS_INSIDE_SQRT, EPS_OUTSIDE_SQRT):
-        raise ValueError(f"{a.op}: mode must be 0 (eps inside the square root) or 1 (outside), got {a.mode}")
+    if a.eps_mode not in (EPS_INSIDE_SQRT, EPS_OUTSIDE_SQRT):
+        raise ValueError(f"{a.op}: eps_mode must be 0 (eps inside the square root) or 1 (outside), got {a.eps_mode}")
     if a.bias_correction and a.step < 1:
         raise ValueError(f"{a.op}: step must be >= 1 with bias_correction, got {a.step}")
     if not a.grad_scale > 0:
@@ -124,7 +124,7 @@ def _denominator(v, eps, mode):
 @op(
     KERNELS,
     "adam(Tensor(a!)[] p, Tensor(b!)[] p_copy, Tensor(c!)[] m, Tensor(d!)[] v, Tensor[] g, float lr, "
-    "float beta1, float beta2, float eps, float grad_scale, int step, int mode, bool bias_correction, "
+    "float beta1, float beta2, float eps, float grad_scale, int step, int eps_mode, bool bias_correction, "
     "float decay, bool reversible=False) -> ()",
     check=_check_adam,
 )
@@ -133,7 +133,7 @@ def adam(a):
     (:func:`adam_step_size`) and ``g`` the gradient divided by ``grad_scale``::
 
         m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
-        p = p - s (m / denom + decay p),  denom = sqrt(v + eps) (mode 0) or sqrt(v) + eps (mode 1)
+        p = p - s (m / denom + decay p),  denom = sqrt(v + eps) (eps_mode 0) or sqrt(v) + eps (eps_mode 1)
 
     ``p_copy`` (empty, or one tensor per parameter) receives the new ``p`` rounded to its dtype.
     ``reversible``: elements whose scaled gradient is not finite are left as they were, and a
@@ -146,7 +146,7 @@ def adam(a):
         g = a.g[i].to(compute).reshape(p.shape) / a.grad_scale
         m = a.m[i] * a.beta1 + (1 - a.beta1) * g
         v = a.v[i] * a.beta2 + (1 - a.beta2) * g * g
-        new_p = p - step_size * (m / _denominator(v, a.eps, a.mode) + a.decay * p)
+        new_p = p - step_size * (m / _denominator(v, a.eps, a.eps_mode) + a.decay * p)
         if a.reversible:
             finite = torch.isfinite(g)
             m, v, new_p = torch.where(finite, m, a.m[i]), torch.where(finite, v, a.v[i]), torch.where(finite, new_p, p)
@@ -172,7 +172,7 @@ def _check_adam_undo(a) -> None:
 @op(
     KERNELS,
     "adam_undo(Tensor overflow_flag, Tensor(a!)[] p, Tensor(b!)[] m, Tensor(c!)[] v, Tensor[] g, float lr, "
-    "float beta1, float beta2, float eps, float grad_scale, int step, int mode, bool bias_correction, "
+    "float beta1, float beta2, float eps, float grad_scale, int step, int eps_mode, bool bias_correction, "
     "float decay) -> ()",
     check=_check_adam_undo,
 )
@@ -185,7 +185,7 @@ def adam_undo(a):
         compute = _state_dtype(param.dtype)
         p, m, v = param.to(compute), a.m[i], a.v[i]
         g = a.g[i].to(compute).reshape(p.shape) / a.grad_scale
-        old_p = (p + step_size * (m / _denominator(v, a.eps, a.mode))) / (1 - step_size * a.decay)
+        old_p = (p + step_size * (m / _denominator(v, a.eps, a.eps_mode))) / (1 - step_size * a.decay)
         old_m = (m - (1 - a.beta1) * g) / a.beta1
         # Rounding can leave a tiny negative second moment when the first step is undone.
         old_v = ((v - (1 - a.beta2) * g * g) / a.beta2).clamp_min(0)
