@@ -1,25 +1,14 @@
-"""apex.contrib.sparsity: ASP: 2:4 structured sparsity masks, pruning-aware optimizer, channel permutation search.
+"""apex.contrib.sparsity: ASP (automatic N:M structured sparsity) and channel permutation search.
 
-Importing it registers its ops (``torch.ops.apex_contrib_sparsity.*``).
+``create_mask`` computes N:M masks (2:4 by default); ``ASP`` adds mask buffers to a model,
+patches its optimizer so that pruned weights stay zero, and optionally permutes input channels
+first (``permutation_lib.Permutation``) so that pruning keeps more magnitude. Importing it
+registers its ops (``torch.ops.apex_contrib_sparsity.*``): pure PyTorch, on every device.
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.sparsity.asp import ASP
+from apex.contrib.sparsity.sparse_masklib import create_mask
 
-from apex.contrib.sparsity import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_sparsity.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["ASP", "create_mask"]
