@@ -241,3 +241,137 @@ def maybe_cast(a):
     keep = _flag_set(a.overflow_flag)
     for x, y in zip(a.p_in, a.p_out):
         y.copy_(torch.where(keep, y, _cast_into(y, _as_float(x))))
+
+
+# DistributedFusedLAMB's split LAMB (upstream's distributed_lamb_cuda) ------------------------------
+# Per-tensor hyperparameters come as 1-D device tensors (one entry per tensor of the lists), so one
+# call serves parameters of several groups; nothing is read on the host.
+
+_FLOAT32 = (torch.float32,)
+
+
+def _check_per_tensor(a, n: int, device, names, dtype=torch.float32) -> None:
+    for name in names:
+        t = getattr(a, name)
+        checks.placed(a.op, name, t, device)
+        if t.dtype != dtype or t.dim() != 1 or t.numel() < n:
+            raise ValueError(
+                f"{a.op}: {name} must be a 1-D {dtype} tensor of at least {n} elements (one per tensor), "
+                f"got {t.dtype} of shape {tuple(t.shape)}"
+            )
+
+
+def _check_compute_update_term(a) -> None:
+    device = _check_flag(a, "noop_flag")
+    n = checks.same_lengths(a.op, g=a.g, p=a.p, m=a.m, v=a.v, u=a.u)
+    if not n:
+        return
+    checks.tensor_list(a.op, "g", a.g, device)
+    checks.tensor_list(a.op, "p", a.p, device, dtypes=(torch.float32, torch.float16))
+    for name in ("m", "v", "u"):
+        checks.tensor_list(a.op, name, getattr(a, name), device, dtypes=_FLOAT32)
+    for name in ("g", "m", "v", "u"):
+        for i, (p, t) in enumerate(zip(a.p, getattr(a, name))):
+            if t.numel() != p.numel():
+                raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but p[{i}] has {p.numel()}")
+    _check_per_tensor(a, n, device, ("beta1", "beta2", "beta3", "epsilon", "decay"))
+    _check_per_tensor(a, n, device, ("bias_correction",), dtype=torch.int32)
+    checks.scalar_tensor(a.op, "step", a.step, (torch.int32,), device)
+    for name in ("global_scale", "global_grad_norm"):
+        checks.scalar_tensor(a.op, name, getattr(a, name), _FLOAT32, device)
+    if a.moment_mode not in (0, 1):
+        raise ValueError(f"{a.op}: moment_mode must be 0 (L2 on the gradient) or 1 (decoupled decay), got {a.moment_mode}")
+
+
+@op(
+    KERNELS,
+    "lamb_compute_update_term(Tensor noop_flag, Tensor[] g, Tensor[] p, Tensor(a!)[] m, Tensor(b!)[] v, "
+    "Tensor(c!)[] u, Tensor beta1, Tensor beta2, Tensor beta3, Tensor bias_correction, Tensor step, "
+    "Tensor epsilon, int moment_mode, Tensor decay, Tensor global_scale, Tensor global_grad_norm, "
+    "float max_grad_norm) -> ()",
+    check=_check_compute_update_term,
+)
+def lamb_compute_update_term(a):
+    """LAMB's first stage per tensor ``i``: the gradient divided by the loss scale ``global_scale``
+    (and, when ``max_grad_norm > 0``, also by ``max(1, (norm/scale + 1e-6) / max_grad_norm)`` with
+    ``norm = global_grad_norm``, the norm of the scaled gradients), then Adam's moments with
+    ``beta1[i]``, ``beta2[i]``, the gradient term weighted by ``beta3[i]``, bias corrections where
+    ``bias_correction[i] == 1`` at step ``step``, and the update ``u = m^/(sqrt(v^) + epsilon[i])``,
+    with ``decay[i] p`` added to the gradient (``moment_mode`` 0) or to ``u`` (1). Nothing is written
+    when ``noop_flag`` is non-zero."""
+    if not a.p:
+        return
+    skip = _flag_set(a.noop_flag)
+    scale = a.global_scale.reshape(())
+    combined = scale
+    if a.max_grad_norm > 0:
+        clip = a.max_grad_norm / (a.global_grad_norm.reshape(()) / scale + 1e-6)
+        combined = scale / clip.clamp(max=1.0)
+    step = a.step.reshape(()).float()
+    for i, p in enumerate(a.p):
+        b1, b2, b3 = a.beta1[i], a.beta2[i], a.beta3[i]
+        corrected = a.bias_correction[i] == 1
+        bc1 = torch.where(corrected, 1 - b1**step, torch.ones_like(b1))
+        bc2 = torch.where(corrected, 1 - b2**step, torch.ones_like(b2))
+        param = p.float().reshape(-1)
+        g = a.g[i].float().reshape(-1) / combined
+        if a.moment_mode == 0:
+            g = g + a.decay[i] * param
+        m = a.m[i].reshape(-1) * b1 + b3 * g
+        v = a.v[i].reshape(-1) * b2 + (1 - b2) * g * g
+        u = (m / bc1) / ((v / bc2).sqrt() + a.epsilon[i])
+        if a.moment_mode == 1:
+            u = u + a.decay[i] * param
+        for target, new in ((a.m[i], m), (a.v[i], v), (a.u[i], u)):
+            target.copy_(torch.where(skip, target.reshape(-1), new).reshape(target.shape))
+
+
+def _check_update_weights(a) -> None:
+    device = _check_flag(a, "noop_flag")
+    n = checks.same_lengths(a.op, u=a.u, p=a.p, p_copy=a.p_copy)
+    if not n:
+        return
+    checks.tensor_list(a.op, "u", a.u, device, dtypes=_FLOAT32)
+    checks.tensor_list(a.op, "p", a.p, device, dtypes=(torch.float32, torch.float16))
+    checks.tensor_list(a.op, "p_copy", a.p_copy, device, dtypes=_OUTPUT_DTYPES)
+    for name in ("u", "p_copy"):
+        for i, (p, t) in enumerate(zip(a.p, getattr(a, name))):
+            if t.numel() != p.numel():
+                raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but p[{i}] has {p.numel()}")
+    _check_per_tensor(a, n, device, ("param_norm", "decay"))
+    _check_per_tensor(a, n, device, ("update_norm_offset",), dtype=torch.int64)
+    checks.placed(a.op, "update_norm", a.update_norm, device)
+    if a.update_norm.dtype != torch.float32 or a.update_norm.dim() != 1:
+        raise ValueError(f"{a.op}: update_norm must be a 1-D float32 tensor, got {a.update_norm.dtype}")
+    for name in ("learning_rate", "global_grad_norm"):
+        checks.scalar_tensor(a.op, name, getattr(a, name), _FLOAT32, device)
+
+
+@op(
+    KERNELS,
+    "lamb_update_weights(Tensor noop_flag, Tensor[] u, Tensor(a!)[] p, Tensor(b!)[] p_copy, Tensor param_norm, "
+    "Tensor update_norm, Tensor update_norm_offset, Tensor learning_rate, Tensor decay, Tensor global_grad_norm, "
+    "bool use_nvlamb) -> ()",
+    check=_check_update_weights,
+)
+def lamb_update_weights(a):
+    """LAMB's second stage per tensor ``i``: ``p -= r u`` with ``r = lr * param_norm[i] /
+    update_norm[update_norm_offset[i]]`` where both norms are non-zero and the trust ratio applies
+    (``use_nvlamb`` or ``decay[i] != 0``), else ``r = lr``; ``p_copy[i]`` receives the new ``p`` in
+    its dtype (uint8: e5m2 codes). Nothing is written when ``noop_flag`` is non-zero.
+    ``global_grad_norm`` is accepted for upstream's signature and not read."""
+    if not a.p:
+        return
+    skip = _flag_set(a.noop_flag)
+    lr = a.learning_rate.reshape(())
+    update_norms = a.update_norm.index_select(0, a.update_norm_offset[: len(a.p)])
+    for i, p in enumerate(a.p):
+        pn, un = a.param_norm[i], update_norms[i]
+        trusted = (pn != 0) & (un != 0)
+        if not a.use_nvlamb:
+            trusted = trusted & (a.decay[i] != 0)
+        ratio = torch.where(trusted, lr * pn / un, lr)
+        new = p.float().reshape(-1) - ratio * a.u[i].reshape(-1)
+        p.copy_(torch.where(skip, p.reshape(-1), new.to(p.dtype)).reshape(p.shape))
+        copy = a.p_copy[i]
+        copy.copy_(torch.where(skip, copy.reshape(-1), _cast_into(copy.reshape(-1), new)).reshape(copy.shape))

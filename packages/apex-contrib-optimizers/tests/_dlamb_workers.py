@@ -1,0 +1,85 @@
+"""DistributedFusedLAMB's rank functions for test_distributed_fused_lamb.py, loaded by path in each
+rank's process (run_ranks), so nothing here imports relatively."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SHAPES = [(7,), (33, 5), (101,), (1,)]
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, adam_w_mode=True, grad_averaging=True)
+STEPS = 3
+
+
+def initial_params():
+    generator = torch.Generator().manual_seed(1234)
+    return [torch.randn(s, generator=generator, dtype=torch.float64).float() for s in SHAPES]
+
+
+def rank_grads(rank, step):
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randn(s, generator=generator, dtype=torch.float64).float() for s in SHAPES]
+
+
+def _build(rank, kwargs):
+    from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
+
+    torch.manual_seed(rank)  # rank 1 starts elsewhere: the broadcast from rank 0 must fix it
+    params = [torch.nn.Parameter(p if rank == 0 else torch.randn_like(p)) for p in initial_params()]
+    groups = [{"params": params[:2], "weight_decay": 0.05}, {"params": params[2:], "weight_decay": 0.0}]
+    return params, DistributedFusedLAMB(groups, **kwargs)
+
+
+def train_all(rank, world_size, configs):
+    """Each (kwargs, loss_scale, bad_step) of ``configs`` trained from the same start, in one process group."""
+    return [train(rank, kwargs, loss_scale, bad_step) for kwargs, loss_scale, bad_step in configs]
+
+
+def train(rank, kwargs, loss_scale, bad_step=None):
+    params, opt = _build(rank, kwargs)
+    for step in range(STEPS):
+        grads = rank_grads(rank, step)
+        if step == bad_step and rank == 1:
+            grads[2][3] = math.inf
+        for p, g in zip(params, grads):
+            p.grad = g * loss_scale
+        if loss_scale != 1.0:
+            opt.set_global_scale(loss_scale)
+        opt.complete_reductions()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in params], int(opt._step.item())
+
+
+def resume(rank, world_size):
+    kwargs = dict(HYPER, max_grad_norm=1.0)
+    params, opt = _build(rank, kwargs)
+    for step in range(2):
+        for p, g in zip(params, rank_grads(rank, step)):
+            p.grad = g
+        opt.step()
+    saved = opt.state_dict()
+    twin, resumed = _build(rank, dict(kwargs, lr=0.5))
+    for p, t in zip(params, twin):
+        t.data.copy_(p.data)
+    resumed.load_state_dict(saved)
+    for ps, o in ((params, opt), (twin, resumed)):
+        for p, g in zip(ps, rank_grads(rank, 2)):
+            p.grad = g
+        o.param_groups[0]["lr"] = o.param_groups[1]["lr"] = 1e-2
+        o.step()
+    return [torch.equal(p, t) for p, t in zip(params, twin)]
+
+
+def refuse(rank, world_size):
+    from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
+
+    messages = []
+    for kwargs in (dict(e5m2_allgather=True), dict(dwu_group_size=3), dict(clip_after_ar=False),
+                   dict(skip_allgather=True), dict(dwu_num_blocks=0), dict(lr=-1.0)):  # fmt: skip
+        try:
+            DistributedFusedLAMB([torch.nn.Parameter(torch.randn(3))], **kwargs)
+        except (NotImplementedError, ValueError) as error:
+            messages.append(str(error))
+    return messages
