@@ -8,7 +8,9 @@ import math
 import torch
 
 SHAPES = [(7,), (33, 5), (101,), (1,)]
-HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, adam_w_mode=True, grad_averaging=True)
+# eps large enough that the gradients' scale (averaging, loss scale, clipping) shows in the update: LAMB is
+# otherwise invariant to it.
+HYPER = dict(lr=1e-2, betas=(0.9, 0.99), eps=0.1, adam_w_mode=True, grad_averaging=True)
 STEPS = 3
 
 
