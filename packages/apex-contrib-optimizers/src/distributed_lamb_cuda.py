@@ -30,7 +30,9 @@ def multi_tensor_lamb_compute_update_term(
     global_grad_norm, max_grad_norm,
 ):  # fmt: skip
     if len(tensor_lists) != 5:
-        raise ValueError(f"multi_tensor_lamb_compute_update_term: expected lists [g, p, m, v, u], got {len(tensor_lists)}")
+        raise ValueError(
+            f"multi_tensor_lamb_compute_update_term: expected lists [g, p, m, v, u], got {len(tensor_lists)}"
+        )
     g, p, m, v, u = (list(t) for t in tensor_lists)
     _ops.lamb_compute_update_term(
         noop_flag, g, p, m, v, u, per_tensor_beta1, per_tensor_beta2, per_tensor_beta3,

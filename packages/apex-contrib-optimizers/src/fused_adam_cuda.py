@@ -72,7 +72,9 @@ def reversible_adam(p, p_copy, m, v, g, lr, beta1, beta2, eps, grad_scale, step,
     )  # fmt: skip
 
 
-def adam_mt(chunk_size, overflow_flag, tensor_lists, lr, beta1, beta2, eps, grad_scale, step, mode, bias_correction, decay):  # noqa: E501
+def adam_mt(
+    chunk_size, overflow_flag, tensor_lists, lr, beta1, beta2, eps, grad_scale, step, mode, bias_correction, decay
+):
     if len(tensor_lists) not in (4, 5):
         raise ValueError(f"adam_mt: expected tensor lists of size 4 or 5, got {len(tensor_lists)}")
     p, m, v, g = tensor_lists[:4]

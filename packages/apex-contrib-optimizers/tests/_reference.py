@@ -18,7 +18,10 @@ def make_params(dtype, device, shapes=SHAPES):
 
 
 def make_grads(params, dtype=None, scale=1.0):
-    return [(torch.randn(p.shape, dtype=torch.float64) * scale).to(dtype=dtype or p.dtype, device=p.device) for p in params]
+    dtypes = [dtype or p.dtype for p in params]
+    return [
+        (torch.randn(p.shape, dtype=torch.float64) * scale).to(device=p.device, dtype=d) for p, d in zip(params, dtypes)
+    ]
 
 
 def tolerance(dtype):

@@ -3,7 +3,6 @@ on the averaged gradients; the distributed_lamb_cuda legacy functions and their 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import distributed_lamb_cuda
@@ -17,6 +16,7 @@ from ._dlamb_workers import HYPER, SHAPES, STEPS, initial_params, rank_grads
 from ._reference import ReferenceLAMB
 
 WORKERS = str(Path(__file__).with_name("_dlamb_workers.py"))
+
 
 def reference(world_size, max_grad_norm, skip_step=None):
     params = initial_params()
@@ -34,7 +34,11 @@ CONFIGS = {  # name: (kwargs, loss scale, step with an inf gradient on rank 1)
     "no clipping": (dict(HYPER, max_grad_norm=0.0), 1.0, None),
     "clipping": (dict(HYPER, max_grad_norm=1.0), 1.0, None),
     "loss scale": (dict(HYPER, max_grad_norm=0.0), 64.0, None),
-    "loss scale and clipping, param views": (dict(HYPER, max_grad_norm=1.0, set_param_views_to_flat_buffer=True), 64.0, None),
+    "loss scale and clipping, param views": (
+        dict(HYPER, max_grad_norm=1.0, set_param_views_to_flat_buffer=True),
+        64.0,
+        None,
+    ),
     "overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 1.0, 1),
 }
 
@@ -79,8 +83,8 @@ def lamb_inputs(n=3, decay=(0.05, 0.0, 0.05)):
     m = [torch.randn_like(t) * 0.1 for t in p]
     v = [torch.rand_like(t) * 0.1 for t in p]
     u = [torch.full_like(t, float("nan")) for t in p]
-    hyper = (per_tensor([0.9] * n), per_tensor([0.99] * n), per_tensor([0.1] * n),
-             per_tensor([1] * n, torch.int32), torch.tensor([2], dtype=torch.int32), per_tensor([1e-6] * n))  # fmt: skip
+    betas = (per_tensor([0.9] * n), per_tensor([0.99] * n), per_tensor([0.1] * n))
+    hyper = (*betas, per_tensor([1] * n, torch.int32), torch.tensor([2], dtype=torch.int32), per_tensor([1e-6] * n))
     return p, g, m, v, u, hyper, per_tensor(list(decay[:n]))
 
 
@@ -131,12 +135,12 @@ def test_noop_flag_skips_both_stages():
 def test_lamb_ops_bad_input_and_opcheck():
     p, g, m, v, u, hyper, decay = lamb_inputs()
     flag = torch.zeros(1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="^lamb_compute_update_term: beta1 must be a 1-D"):
+    with pytest.raises(ValueError, match=r"^lamb_compute_update_term: beta1 must be a 1-D"):
         _ops.lamb_compute_update_term(flag, g, p, m, v, u, torch.ones(2), *hyper[1:], 1, decay, torch.ones(1),
                                       torch.ones(1), 0.0)  # fmt: skip
-    with pytest.raises(ValueError, match="^lamb_compute_update_term: moment_mode must be 0"):
+    with pytest.raises(ValueError, match=r"^lamb_compute_update_term: moment_mode must be 0"):
         _ops.lamb_compute_update_term(flag, g, p, m, v, u, *hyper, 2, decay, torch.ones(1), torch.ones(1), 0.0)
-    with pytest.raises(TypeError, match="^lamb_update_weights: u\\[0\\] has dtype torch.float16"):
+    with pytest.raises(TypeError, match=r"^lamb_update_weights: u\[0\] has dtype torch.float16"):
         _ops.lamb_update_weights(flag, [t.half() for t in u], p, p, torch.ones(3), torch.ones(3), torch.arange(3),
                                  torch.ones(1), decay, torch.ones(1), False)  # fmt: skip
     torch.library.opcheck(

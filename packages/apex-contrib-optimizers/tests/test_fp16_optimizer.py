@@ -120,7 +120,7 @@ def test_bad_arguments():
     model = half_model("cpu")
     with pytest.raises(SystemError, match="dynamic_loss_args"):
         FP16_Optimizer(FusedAdam(model.parameters()), dynamic_loss_scale=True, dynamic_loss_args={"scale_window": 5})
-    with pytest.raises(TypeError, match="init_optimizer must be a torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"init_optimizer must be a torch.optim.Optimizer"):
         FP16_Optimizer(model.parameters())
     opt = FP16_Optimizer(FusedAdam(model.parameters()), verbose=False)
     with pytest.raises(NotImplementedError, match="closure"):

@@ -229,8 +229,11 @@ BAD = {
     "eps_mode": (adam_inputs, {"eps_mode": 2}, ValueError, "eps_mode must be 0"),
     "step": (adam_inputs, {"step": 0}, ValueError, "step must be >= 1"),
     "grad_scale": (adam_inputs, {"grad_scale": 0.0}, ValueError, "grad_scale must be positive"),
-    "e5m2 not reversible": (lambda: ([torch.ones(3)], [torch.zeros(3, dtype=torch.uint8)], [torch.zeros(3)],
-                                     [torch.zeros(3)], [torch.ones(3)]), {}, TypeError, "p_copy has dtype torch.uint8 \\(e5m2\\); only the reversible"),
+    "e5m2 not reversible": (
+        lambda: ([torch.ones(3)], [torch.zeros(3, dtype=torch.uint8)], [torch.zeros(3)], [torch.zeros(3)],
+                 [torch.ones(3)]),
+        {}, TypeError, r"p_copy has dtype torch.uint8 \(e5m2\); only the reversible",
+    ),
 }  # fmt: skip
 
 
@@ -239,19 +242,19 @@ def test_adam_op_bad_input_names_the_argument(case):
     make, overrides, error, message = BAD[case]
     kwargs = dict(lr=0.1, beta1=0.9, beta2=0.99, eps=1e-8, grad_scale=1.0, step=1, eps_mode=1, bias_correction=True,
                   decay=0.0) | overrides  # fmt: skip
-    with pytest.raises(error, match="^adam: " + message):
+    with pytest.raises(error, match=r"^adam: " + message):
         _ops.adam(*make(), **kwargs)
 
 
 def test_flag_ops_bad_input():
     x = torch.randn(4)
-    with pytest.raises(TypeError, match="^strided_check_finite: overflow_flag has dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"^strided_check_finite: overflow_flag has dtype torch.float32"):
         _ops.strided_check_finite(torch.zeros(1), x, 1, True)
-    with pytest.raises(ValueError, match="^strided_check_finite: stride must be >= 1"):
+    with pytest.raises(ValueError, match=r"^strided_check_finite: stride must be >= 1"):
         _ops.strided_check_finite(torch.zeros(1, dtype=torch.int32), x, 0, True)
-    with pytest.raises(ValueError, match="^maybe_cast: p_out\\[0\\] has 5 elements"):
+    with pytest.raises(ValueError, match=r"^maybe_cast: p_out\[0\] has 5 elements"):
         _ops.maybe_cast(torch.zeros(1, dtype=torch.int32), [x], [torch.zeros(5)])
-    with pytest.raises(ValueError, match="^adam_undo: overflow_flag must have exactly one element"):
+    with pytest.raises(ValueError, match=r"^adam_undo: overflow_flag must have exactly one element"):
         _ops.adam_undo(torch.zeros(2, dtype=torch.int32), [x], [x.clone()], [x.abs()], [x], 0.1, 0.9, 0.99, 1e-8,
                        1.0, 1, 1, True, 0.0)  # fmt: skip
 

@@ -280,7 +280,9 @@ def _check_compute_update_term(a) -> None:
     for name in ("global_scale", "global_grad_norm"):
         checks.scalar_tensor(a.op, name, getattr(a, name), _FLOAT32, device)
     if a.moment_mode not in (0, 1):
-        raise ValueError(f"{a.op}: moment_mode must be 0 (L2 on the gradient) or 1 (decoupled decay), got {a.moment_mode}")
+        raise ValueError(
+            f"{a.op}: moment_mode must be 0 (L2 on the gradient) or 1 (decoupled decay), got {a.moment_mode}"
+        )
 
 
 @op(

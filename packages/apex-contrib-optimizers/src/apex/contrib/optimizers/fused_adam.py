@@ -224,4 +224,3 @@ class FusedAdam(torch.optim.Optimizer):
                 group["bias_correction"],
                 group["weight_decay"],
             )
-
