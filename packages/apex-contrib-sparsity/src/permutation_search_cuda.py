@@ -38,7 +38,9 @@ def _tensor(x, name: str, function: str) -> torch.Tensor:
     try:
         return torch.as_tensor(x)
     except (TypeError, RuntimeError) as error:
-        raise TypeError(f"permutation_search_cuda.{function}: {name} must be a NumPy array or a tensor ({error})") from None
+        raise TypeError(
+            f"permutation_search_cuda.{function}: {name} must be a NumPy array or a tensor ({error})"
+        ) from None
 
 
 def _matrix(matrix, rows: int, cols: int, function: str) -> torch.Tensor:
@@ -63,7 +65,8 @@ def _write(out, values: torch.Tensor, name: str, function: str) -> None:
     target = _tensor(out, name, function).reshape(-1)
     if target.numel() < values.numel():
         raise ValueError(
-            f"permutation_search_cuda.{function}: {name} has room for {target.numel()} values, {values.numel()} are written"
+            f"permutation_search_cuda.{function}: {name} has room for {target.numel()} values, "
+            f"{values.numel()} are written"
         )
     target[: values.numel()].copy_(values.reshape(-1).to(target.dtype))
 

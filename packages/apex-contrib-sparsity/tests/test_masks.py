@@ -165,7 +165,12 @@ def test_upstream_pattern_functions():
 
 
 BAD_INPUT = {  # case: (tensor, pattern, error, message)
-    "unknown pattern": (torch.randn(8, 16), "m4n2_3d", ValueError, "unknown pattern 'm4n2_3d'; valid patterns: m4n2_1d"),
+    "unknown pattern": (
+        torch.randn(8, 16),
+        "m4n2_3d",
+        ValueError,
+        "unknown pattern 'm4n2_3d'; valid patterns: m4n2_1d",
+    ),
     "upstream generic function name": (torch.randn(8, 16), "mn_1d_best", ValueError, "unknown pattern"),
     "n larger than m": (torch.randn(8, 16), "m4n5_1d", ValueError, "keeps 5 of every 4"),
     "columns not a multiple of m": (torch.randn(8, 10), "m4n2_1d", ValueError, "10 columns"),

@@ -6,10 +6,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import permutation_search_cuda
 import pytest
 import torch
 
-import permutation_search_cuda
 from apex.contrib.sparsity import _ops
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -94,7 +94,9 @@ def test_unique_permutations_are_the_distinct_layouts():
         layouts = unique_permutations(width)
         assert layouts.shape == (count, width) == (predict_unique_combinations(width, 4), width)
         assert layouts[0].tolist() == list(range(width))
-        canonical = {tuple(sorted(tuple(sorted(row[i : i + 4])) for i in range(0, width, 4))) for row in layouts.tolist()}
+        canonical = {
+            tuple(sorted(tuple(sorted(row[i : i + 4])) for i in range(0, width, 4))) for row in layouts.tolist()
+        }
         assert len(canonical) == count
 
 
@@ -105,7 +107,11 @@ OPCHECK_CASES = {
     "sum_after_2_to_4": lambda d: (_ops.sum_after_2_to_4, (torch.randn(8, 16, device=d), 0, 16)),
     "build_permute_map": lambda d: (
         _ops.build_permute_map,
-        (torch.randn(8, 16, device=d), torch.tensor([[0, 1], [2, 3]], device=d), torch.arange(8, device=d).repeat(3, 1)),
+        (
+            torch.randn(8, 16, device=d),
+            torch.tensor([[0, 1], [2, 3]], device=d),
+            torch.arange(8, device=d).repeat(3, 1),
+        ),
     ),
     "build_swap_map": lambda d: (_ops.build_swap_map, (torch.randn(8, 16, device=d), torch.tensor([[0, 3]], device=d))),
 }
@@ -125,12 +131,16 @@ BAD_INPUT = {  # case: (call, error, message)
     "odd stripes": (lambda: _ops.sum_after_2_to_4(torch.randn(4, 6), 0, 4), ValueError, "not a multiple of 4"),
     "bad columns": (lambda: _ops.sum_after_2_to_4(torch.randn(4, 8), 4, 12), ValueError, "start_col=4 and end_col=12"),
     "int32 groups": (
-        lambda: _ops.build_permute_map(torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int64)),
+        lambda: _ops.build_permute_map(
+            torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, 8, dtype=torch.int64)
+        ),
         TypeError,
         "stripe_groups has dtype torch.int32",
     ),
     "wrong permutation width": (
-        lambda: _ops.build_permute_map(torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64)),
+        lambda: _ops.build_permute_map(
+            torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(1, 4, dtype=torch.int64)
+        ),
         ValueError,
         r"permutations must have shape \[\*, 8\]",
     ),
@@ -140,7 +150,9 @@ BAD_INPUT = {  # case: (call, error, message)
         r"stripe_pairs has a value outside \[0, 2\)",
     ),
     "no permutations": (
-        lambda: _ops.build_permute_map(torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(0, 8, dtype=torch.int64)),
+        lambda: _ops.build_permute_map(
+            torch.randn(4, 8), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(0, 8, dtype=torch.int64)
+        ),
         ValueError,
         "permutations is empty",
     ),
@@ -171,7 +183,9 @@ def test_legacy_build_permute_map_and_check_permutations_on_numpy():
     permutations = np.array([list(range(8)), [0, 4, 2, 3, 1, 5, 6, 7], [4, 5, 6, 7, 0, 1, 2, 3]], dtype=np.uint32)
     improvements = np.zeros(2, dtype=np.float32)
     best = np.zeros(2, dtype=np.uint32)
-    permutation_search_cuda.build_permute_map(matrix.ravel(), 7, 24, stripes, 2, 2, permutations.ravel(), 8, improvements, best)
+    permutation_search_cuda.build_permute_map(
+        matrix.ravel(), 7, 24, stripes, 2, 2, permutations.ravel(), 8, improvements, best
+    )
     expected_gains, expected_best = permute_map_reference(
         torch.from_numpy(matrix), torch.tensor([[0, 2], [1, 5]]), torch.from_numpy(permutations.astype(np.int64))
     )
@@ -201,6 +215,27 @@ def test_legacy_bad_input():
         permutation_search_cuda.sum_after_2_to_4(np.zeros(16, np.float32), 2, 8, 0, 8, 1, 32, np.zeros(0, np.float32))
     with pytest.raises(ValueError, match="perm_length=4 must be 4\\*group_width"):
         permutation_search_cuda.build_permute_map(
-            np.zeros(16, np.float32), 2, 8, np.zeros(2, np.uint32), 1, 2, np.zeros(8, np.uint32), 4,
-            np.zeros(1, np.float32), np.zeros(1, np.uint32),
+            np.zeros(16, np.float32),
+            2,
+            8,
+            np.zeros(2, np.uint32),
+            1,
+            2,
+            np.zeros(8, np.uint32),
+            4,
+            np.zeros(1, np.float32),
+            np.zeros(1, np.uint32),
         )
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    from apex.contrib.sparsity import create_mask
+
+    def masked(weight):
+        return weight * create_mask(weight, "m4n2_1d") + weight * create_mask(weight, "m4n2_2d_greedy")
+
+    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
+    compiled = torch.compile(masked, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    weight = torch.randn(16, 32, 3, 3, device=device)
+    torch.testing.assert_close(compiled(weight), masked(weight), rtol=0, atol=0)

@@ -203,7 +203,7 @@ def valid_2d_patterns(m: int, n: int) -> torch.Tensor:
     return _patterns_2d[key]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _count_2d_patterns(room: tuple, rows_left: int, n: int) -> int:
     """How many ways fill ``rows_left`` rows with n ones each, column c taking at most room[c] more
     (room sorted, so equal states share the cache)."""
@@ -299,7 +299,9 @@ def sum_after_2_to_4(a):
 def _permute_map_fake(a):
     groups = a.stripe_groups.shape[0]
     device = a.matrix.device
-    return torch.empty(groups, dtype=torch.float32, device=device), torch.empty(groups, dtype=torch.int64, device=device)
+    return torch.empty(groups, dtype=torch.float32, device=device), torch.empty(
+        groups, dtype=torch.int64, device=device
+    )
 
 
 def _check_index_values(op_name: str, name: str, t: torch.Tensor, limit: int) -> None:
@@ -384,4 +386,3 @@ __all__ = [
     "sum_after_2_to_4",
     "valid_2d_patterns",
 ]
-

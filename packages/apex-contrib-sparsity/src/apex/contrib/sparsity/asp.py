@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import time
 import types
+from typing import ClassVar
 
 import torch
 
@@ -111,10 +112,10 @@ class ASP:
     _model = None
     _verbosity = 0
     _optimizer = None
-    _sparse_parameters: list[_SparseParameter] = []
+    _sparse_parameters: ClassVar[list[_SparseParameter]] = []
     _calculate_mask = None
     _allow_permutation = True
-    _all_parameters: list = []
+    _all_parameters: ClassVar[list] = []
     _save_permutation_graph = False
     _permutation_output_dir = "."
 
@@ -221,7 +222,9 @@ class ASP:
                         )
                     continue
                 if verbosity >= 3:
-                    print(f"[ASP] Sparsifying {module_name}::{p_name} of size={p.size()} and type={p.dtype} for sparsity")
+                    print(
+                        f"[ASP] Sparsifying {module_name}::{p_name} of size={p.size()} and type={p.dtype} for sparsity"
+                    )
                 entry = _SparseParameter(module_name, module, p_name)
                 module.register_buffer(entry.mask_name, torch.ones_like(p, dtype=torch.bool))
                 if allow_recompute_mask:
@@ -324,7 +327,8 @@ class ASP:
                 if cls._verbosity >= 2:
                     density = float(mask.sum()) / mask.numel()
                     print(
-                        f"[ASP] Enabled {100.0 - 100.0 * density:.2f}% sparsity for {entry.module_name}::{entry.p_name} "
+                        f"[ASP] Enabled {100.0 - 100.0 * density:.2f}% sparsity for "
+                        f"{entry.module_name}::{entry.p_name} "
                         f"of size={p.size()} and type={p.dtype}"
                     )
 
@@ -344,7 +348,9 @@ class ASP:
                     mask.fill_(True)
                     pruned.zero_()
                     if cls._verbosity >= 2:
-                        print(f"[ASP] Disabled sparsity for {entry.module_name}::{entry.p_name} (dense weights restored)")
+                        print(
+                            f"[ASP] Disabled sparsity for {entry.module_name}::{entry.p_name} (dense weights restored)"
+                        )
 
     @classmethod
     def is_sparsity_enabled(cls) -> bool:
@@ -373,7 +379,9 @@ class ASP:
         cls.compute_sparse_masks()
 
     @classmethod
-    def set_permutation_saving_params(cls, allow_permutation=True, save_permutation_graph=False, permutation_output_dir="."):
+    def set_permutation_saving_params(
+        cls, allow_permutation=True, save_permutation_graph=False, permutation_output_dir="."
+    ):
         """Whether to permute channels, and whether and where to save the permutation graph (JSON)."""
         if cls._verbosity >= 2:
             print(

@@ -35,6 +35,7 @@ import json
 import operator
 import os
 import warnings
+from typing import ClassVar
 
 import torch
 import torch.fx
@@ -269,14 +270,15 @@ def find_channel_groups(traced: torch.fx.GraphModule) -> list[_Group]:
                 index = pass_through(node, inputs)
                 if index is not None:
                     groups.get(index).layouts.add("conv")
-            elif isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)) and len(inputs) == 1:
+            elif (
+                isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d))
+                and len(inputs) == 1
+            ):
                 index = pass_through(node, inputs)
                 if index is not None:
                     groups.get(index).per_channel[id(module)] = (node.target, module)
                     groups.get(index).layouts.add("conv")
-            elif (
-                isinstance(module, torch.nn.LayerNorm) and len(module.normalized_shape) == 1 and len(inputs) == 1
-            ):
+            elif isinstance(module, torch.nn.LayerNorm) and len(module.normalized_shape) == 1 and len(inputs) == 1:
                 index = pass_through(node, inputs)
                 if index is not None:
                     groups.get(index).per_channel[id(module)] = (node.target, module)
@@ -339,8 +341,8 @@ class Permutation:
     """Channel permutation of a model before pruning (all classmethods, one global state)."""
 
     _model = None
-    _sparse_parameters: list = []
-    _all_parameters: list = []
+    _sparse_parameters: ClassVar[list] = []
+    _all_parameters: ClassVar[list] = []
     _verbosity = 0
     _allow_permutation = False
     _save_permutation_graph = False
@@ -376,7 +378,9 @@ class Permutation:
         cls._tcpstore_port = tcpstore_port
 
     @classmethod
-    def set_permutation_saving_params(cls, allow_permutation=False, save_permutation_graph=False, permutation_output_dir="."):
+    def set_permutation_saving_params(
+        cls, allow_permutation=False, save_permutation_graph=False, permutation_output_dir="."
+    ):
         cls._allow_permutation = allow_permutation
         cls._save_permutation_graph = save_permutation_graph
         cls._permutation_output_dir = permutation_output_dir

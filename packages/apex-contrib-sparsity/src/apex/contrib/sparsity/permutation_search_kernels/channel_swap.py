@@ -73,7 +73,7 @@ def _search(base: torch.Tensor, escape_attempts: int, rng: torch.Generator, verb
     return best_seen.permutation
 
 
-def Channel_Swap(matrix, escape_attempts=0, verbosity=0, permutation=None, seed=1):  # noqa: N802
+def Channel_Swap(matrix, escape_attempts=0, verbosity=0, permutation=None, seed=1):
     """Search a column permutation of ``matrix`` by greedy channel swaps.
 
     Args:

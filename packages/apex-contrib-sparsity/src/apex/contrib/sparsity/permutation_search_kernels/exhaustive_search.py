@@ -96,7 +96,7 @@ def _windowed(magnitude, permutation, width, escape_attempts, rng):
     return best_seen.permutation
 
 
-def Exhaustive_Search(matrix, stripe_group_size=-1, escape_attempts=0, permutation=None, seed=1):  # noqa: N802
+def Exhaustive_Search(matrix, stripe_group_size=-1, escape_attempts=0, permutation=None, seed=1):
     """Search a column permutation of ``matrix`` that keeps more magnitude after 2:4 pruning.
 
     Args:
