@@ -24,34 +24,50 @@ def rank_grads(rank, step):
     return [torch.randn(s, generator=generator, dtype=torch.float64).float() for s in SHAPES]
 
 
-def _build(rank, kwargs):
+def _build(rank, kwargs, device="cpu"):
     from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
 
     torch.manual_seed(rank)  # rank 1 starts elsewhere: the broadcast from rank 0 must fix it
-    params = [torch.nn.Parameter(p if rank == 0 else torch.randn_like(p)) for p in initial_params()]
+    starts = [p if rank == 0 else torch.randn_like(p) for p in initial_params()]
+    params = [torch.nn.Parameter(p.to(device)) for p in starts]
     groups = [{"params": params[:2], "weight_decay": 0.05}, {"params": params[2:], "weight_decay": 0.0}]
     return params, DistributedFusedLAMB(groups, **kwargs)
 
 
-def train_all(rank, world_size, configs):
-    """Each (kwargs, loss_scale, bad_step) of ``configs`` trained from the same start, in one process group."""
-    return [train(rank, kwargs, loss_scale, bad_step) for kwargs, loss_scale, bad_step in configs]
+def train_all(rank, world_size, configs, device="cpu"):
+    """Each (kwargs, loss_scale, bad_step, how the scale is given) of ``configs`` trained from the same
+    start, in one process group. NCCL: rank r on cuda:r."""
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    return [train(rank, *config, device=device) for config in configs]
 
 
-def train(rank, kwargs, loss_scale, bad_step=None):
-    params, opt = _build(rank, kwargs)
+def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", device="cpu"):
+    """``scale_by``: "set_global_scale" (upstream's loop) or "grad_scaler" (torch.amp.GradScaler.step)."""
+    params, opt = _build(rank, kwargs, device)
+    scaler = None
+    if scale_by == "grad_scaler":
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=loss_scale, growth_interval=1000)
+        scaler.scale(torch.ones((), device=device))  # as scaler.scale(loss) would: the scale exists from here
     for step in range(STEPS):
         grads = rank_grads(rank, step)
         if step == bad_step and rank == 1:
             grads[2][3] = math.inf
+        scale = loss_scale if scaler is None else scaler.get_scale()  # the scaler's current scale
         for p, g in zip(params, grads):
-            p.grad = g * loss_scale
-        if loss_scale != 1.0:
-            opt.set_global_scale(loss_scale)
-        opt.complete_reductions()
-        opt.step()
+            p.grad = (g * scale).to(device)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            if loss_scale != 1.0:
+                opt.set_global_scale(loss_scale)
+            opt.complete_reductions()
+            opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in params], int(opt._step.item())
+    final_scale = None if scaler is None else float(scaler.get_scale())
+    return [p.detach().cpu().clone() for p in params], int(opt._step.item()), final_scale
 
 
 def resume(rank, world_size):

@@ -30,30 +30,44 @@ def reference(world_size, max_grad_norm, skip_step=None):
     return ref.groups[0][0] + ref.groups[1][0]
 
 
-CONFIGS = {  # name: (kwargs, loss scale, step with an inf gradient on rank 1)
-    "no clipping": (dict(HYPER, max_grad_norm=0.0), 1.0, None),
-    "clipping": (dict(HYPER, max_grad_norm=1.0), 1.0, None),
-    "loss scale": (dict(HYPER, max_grad_norm=0.0), 64.0, None),
+CONFIGS = {  # name: (kwargs, loss scale, step with an inf gradient on rank 1, how the scale is given)
+    "no clipping": (dict(HYPER, max_grad_norm=0.0), 1.0, None, "set_global_scale"),
+    "clipping": (dict(HYPER, max_grad_norm=1.0), 1.0, None, "set_global_scale"),
+    "loss scale": (dict(HYPER, max_grad_norm=0.0), 64.0, None, "set_global_scale"),
     "loss scale and clipping, param views": (
         dict(HYPER, max_grad_norm=1.0, set_param_views_to_flat_buffer=True),
         64.0,
         None,
+        "set_global_scale",
     ),
-    "overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 1.0, 1),
+    "overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 1.0, 1, "set_global_scale"),
+    "GradScaler": (dict(HYPER, max_grad_norm=1.0), 64.0, None, "grad_scaler"),
+    "GradScaler, overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 64.0, 1, "grad_scaler"),
 }
 
 
-def test_two_ranks_match_single_process_lamb_on_the_averaged_gradients():
-    results = run_ranks(WORKERS, "train_all", 2, backend="gloo", args=(list(CONFIGS.values()),))
-    for index, (name, (kwargs, _, bad_step)) in enumerate(CONFIGS.items()):
+def check_against_reference(results):
+    for index, (name, (kwargs, loss_scale, bad_step, scale_by)) in enumerate(CONFIGS.items()):
         expected = reference(2, kwargs["max_grad_norm"], skip_step=bad_step)
-        for params, steps in (rank_results[index] for rank_results in results):
+        for params, steps, final_scale in (rank_results[index] for rank_results in results):
             # An overflow on any rank skips the step on every rank; the counter does not advance.
             assert steps == STEPS - (bad_step is not None), name
             for p, e in zip(params, expected):
                 torch.testing.assert_close(p.double(), e, rtol=1e-5, atol=1e-6, msg=name)
+            if scale_by == "grad_scaler":  # the overflow reached the scaler: it backed off once
+                assert final_scale == (loss_scale / 2 if bad_step is not None else loss_scale), name
         for a, b in zip(results[0][index][0], results[1][index][0]):
             assert torch.equal(a, b), name
+
+
+def test_two_ranks_match_single_process_lamb_on_the_averaged_gradients():
+    check_against_reference(run_ranks(WORKERS, "train_all", 2, backend="gloo", args=(list(CONFIGS.values()),)))
+
+
+@pytest.mark.multigpu
+def test_two_gpus_over_nccl_match_single_process_lamb():
+    configs = list(CONFIGS.values())
+    check_against_reference(run_ranks(WORKERS, "train_all", 2, backend="nccl", args=(configs, "cuda")))
 
 
 def test_state_dict_round_trip():

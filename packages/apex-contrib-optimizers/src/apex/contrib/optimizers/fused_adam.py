@@ -23,7 +23,7 @@ def per_group(values, groups: int, name: str):
     if isinstance(values, types.GeneratorType):
         return [list(values)]
     values = list(values)
-    if values and not isinstance(values[0], (list, tuple)) and values[0] is not None:
+    if values and not isinstance(values[0], (list, tuple)):  # upstream: "a list of tensors is one group"
         values = [values]
     if len(values) != groups:
         raise ValueError(f"{name} has {len(values)} parameter groups but the optimizer has {groups}")
