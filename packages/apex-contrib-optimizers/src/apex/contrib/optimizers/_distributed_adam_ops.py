@@ -7,8 +7,8 @@ parameters plus 16-bit remainders. Pure PyTorch references (they run on every de
 Shared conventions (those of upstream's kernels):
 - gradients are *multiplied* by ``grad_scale`` (a one-element fp32 tensor: upstream passes the
   inverse loss scale times any clipping factor);
-- ``mode`` 0: L2 regularisation (``g += weight_decay * p``); 1: decoupled decay (AdamW), applied as
-  ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``;
+- ``adam_mode`` (upstream's ``mode``) 0: L2 regularisation (``g += weight_decay * p``); 1: decoupled
+  decay (AdamW), applied as ``p -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * p)``;
 - the bias corrections are ``1 - beta ** step`` when ``bias_correction``;
 - ``noop_flag`` (int32, one element): when non-zero nothing is written (the step is skipped on the
   device, no host sync). Upstream's non-capturable kernels ignore the flag (their callers pass zero);
@@ -51,8 +51,8 @@ def _check_common(a, *, state_dtypes, per_param: dict) -> None:
         for i, (p, t) in enumerate(zip(first, tensors)):
             if t.numel() != p.numel():
                 raise ValueError(f"{a.op}: {name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}")
-    if a.mode not in ADAM_MODES:
-        raise ValueError(f"{a.op}: mode must be 0 (L2) or 1 (decoupled weight decay), got {a.mode}")
+    if a.adam_mode not in ADAM_MODES:
+        raise ValueError(f"{a.op}: adam_mode must be 0 (L2) or 1 (decoupled weight decay), got {a.adam_mode}")
     if a.noop_flag.dtype != torch.int32 or a.noop_flag.numel() != 1:
         raise TypeError(
             f"{a.op}: noop_flag must be a one-element int32 tensor, got {a.noop_flag.dtype} "
@@ -82,12 +82,12 @@ def _hyper(a):
 def adam_update(p, m, v, g, a, lr, bc1, bc2):
     """Upstream's update in fp32; returns the new (p, m, v)."""
     g = g * a.grad_scale.reshape(())
-    if a.mode == 0:
+    if a.adam_mode == 0:
         g = g + a.weight_decay * p
     m = torch.lerp(g, m, a.beta1)
     v = torch.lerp(g * g, v, a.beta2)
     update = (m / bc1) / ((v / bc2).sqrt() + a.eps)
-    if a.mode == 1:
+    if a.adam_mode == 1:
         update = update + a.weight_decay * p
     return p - lr * update, m, v
 
@@ -116,13 +116,13 @@ def _check_distributed_adam(a) -> None:
     KERNELS,
     "distributed_adam(int chunk_size, Tensor noop_flag, Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
     "Tensor(c!)[] exp_avg_sqs, Tensor[] grads, Tensor(d!)[] params_out, Tensor grad_scale, float lr, "
-    "float beta1, float beta2, float eps, int step, int mode, bool bias_correction, float weight_decay, "
+    "float beta1, float beta2, float eps, int step, int adam_mode, bool bias_correction, float weight_decay, "
     "Tensor? lr_tensor=None, Tensor? step_tensor=None) -> ()",
     check=_check_distributed_adam,
 )
 def distributed_adam(a):
     """Adam on ``params`` (the master values, in the state dtype: fp32, fp16 or bf16), updated in
-    place with ``exp_avgs``/``exp_avg_sqs``; the result is also written, rounded, to ``params_out``
+    place with ``exp_avgs``/``exp_avg_sqs``; the new value (in the state dtype) is also written to ``params_out``
     (any float dtype: the buffer the parameters are all-gathered from). Upstream's
     ``multi_tensor_fused_adam`` tensor lists ``[p_in, m, v, g, p_out]``; gradients may be of any
     float dtype (upstream: the state dtype only)."""
@@ -132,6 +132,7 @@ def distributed_adam(a):
         new_p, new_m, new_v = adam_update(p.float(), m.float(), v.float(), g.float(), a, lr, bc1, bc2)
         _commit(m, new_m, skip)
         _commit(v, new_v, skip)
+        new_p = new_p.to(p.dtype)  # as upstream: the output is the new value in the state dtype, converted
         _commit(p, new_p, skip)
         _commit(out, new_p, skip)
 
@@ -174,7 +175,7 @@ def _check_with_remainders(a) -> None:
     "distributed_adam_with_param_remainders(int chunk_size, Tensor noop_flag, Tensor[] params, "
     "Tensor(a!)[] param_remainders, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, Tensor[] grads, "
     "Tensor(d!)[] params_out, Tensor grad_scale, float lr, float beta1, float beta2, float eps, int step, "
-    "int mode, bool bias_correction, float weight_decay, Tensor? lr_tensor=None, Tensor? step_tensor=None) -> ()",
+    "int adam_mode, bool bias_correction, float weight_decay, Tensor? lr_tensor=None, Tensor? step_tensor=None) -> ()",
     check=_check_with_remainders,
 )
 def distributed_adam_with_param_remainders(a):
@@ -184,9 +185,7 @@ def distributed_adam_with_param_remainders(a):
     ``multi_tensor_fused_adam_with_param_remainders`` lists ``[p_in, p_rem, m, v, g, p_out]``."""
     lr, bc1, bc2 = _hyper(a)
     skip = a.noop_flag.reshape(()) != 0
-    for p, rem, m, v, g, out in zip(
-        a.params, a.param_remainders, a.exp_avgs, a.exp_avg_sqs, a.grads, a.params_out
-    ):
+    for p, rem, m, v, g, out in zip(a.params, a.param_remainders, a.exp_avgs, a.exp_avg_sqs, a.grads, a.params_out):
         master = bf16_and_remainder_to_fp32(p, rem)
         new_p, new_m, new_v = adam_update(master, m, v, g.float(), a, lr, bc1, bc2)
         new_bf16, new_rem = fp32_to_bf16_and_remainder(new_p)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from apex.contrib.optimizers import _distributed_adam_ops  # noqa: F401  (registers the ops)
+from apex.contrib.optimizers import _distributed_adam_ops
 from apex.optimizers import _ops as _optimizer_ops  # noqa: F401  (registers apex_optimizers.fused_adam)
 
 __all__ = ["DistributedFusedAdam"]
@@ -109,7 +109,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             the parameters outside a module's forward must call :meth:`param_sync` first.
         bucket_cap_mb: bucket size in MiB (of ``grad_sync_dtype``), as upstream rounds it: the shard
             is ``bucket_cap_mb`` MiB / world size, rounded down to a multiple of 128 bytes (at least 128).
-        pipeline_size: the most collectives of one kind in flight at once.
+        pipeline_size: the most reduce-scatters (and, without ``overlap_param_sync``, all-gathers)
+            in flight at once.
         contiguous_param_buffer: not supported (raises NotImplementedError).
         contiguous_grad_buffer: keep the gradient buckets in one persistent buffer;
             :meth:`grad_buffer_view` then gives a parameter's (unreduced, local) gradient in it.
@@ -174,7 +175,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             ("with_scaled_states", with_scaled_states, "per-tensor scaled fp16/bf16 state is not implemented"),
             ("nccl_ub", nccl_ub, "NCCL user buffers (apex.contrib.nccl_allocator) are not implemented"),
             ("capturable", capturable, "CUDA-graph capture of the step is not implemented"),
-            ("contiguous_param_buffer", contiguous_param_buffer, "parameters as views of one buffer are not implemented"),
+            ("contiguous_param_buffer", contiguous_param_buffer, "parameters as views of a buffer are not implemented"),
         ):  # fmt: skip
             if value:
                 raise NotImplementedError(f"{name}: {flag}=True is not supported: {why}")
@@ -185,7 +186,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{name}: invalid betas={betas}; expected two numbers in [0, 1)")
         grad_sync_dtype = dtype if grad_sync_dtype is None else grad_sync_dtype
         param_sync_dtype = dtype if param_sync_dtype is None else param_sync_dtype
-        for arg, value in (("dtype", dtype), ("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+        for arg, value in (
+            ("dtype", dtype),
+            ("grad_sync_dtype", grad_sync_dtype),
+            ("param_sync_dtype", param_sync_dtype),
+        ):
             if value not in _SUPPORTED_DTYPES:
                 raise ValueError(f"{name}: {arg}={value} is not supported; expected float32, float16 or bfloat16")
         if store_param_remainders:
@@ -292,7 +297,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 if not p.is_contiguous():
                     raise ValueError(f"{name}: {where} is not contiguous")
                 if self.store_param_remainders and p.dtype != torch.bfloat16:
-                    raise RuntimeError(f"{name}: store_param_remainders=True needs bf16 parameters; {where} is {p.dtype}")
+                    raise RuntimeError(
+                        f"{name}: store_param_remainders=True needs bf16 parameters; {where} is {p.dtype}"
+                    )
                 if p.requires_grad and p.numel() > 0 and p not in seen:
                     seen.add(p)
                     self._ordered_params.append(p)
@@ -453,8 +460,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             bucket.local_grads = None
             bucket.grads_shard = None
             bucket.grads_ready.clear()
-        for p in self._ordered_params:
-            p.grad = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
         self._grad_scale.fill_(1.0)
         self._grad_norm = None
 
@@ -485,7 +493,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             return self._grad_norm[1]
         shards = [s.float() for s in self._grad_shards()]
         if math.isinf(norm_type):
-            local = torch.stack([s.abs().amax() for s in shards]).amax() if shards else torch.zeros((), device=self.device)
+            local = (
+                torch.stack([s.abs().amax() for s in shards]).amax() if shards else torch.zeros((), device=self.device)
+            )
             local = local.reshape(1).to(self.device)
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.distributed_process_group)
             norm = local
@@ -531,6 +541,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._grad_norm = None
         state["found_inf_per_device"] = {self.device: self._found_inf()}
         state["stage"] = OptState.UNSCALED
+        self._unscaled_for = grad_scaler
 
     def _found_inf(self) -> torch.Tensor:
         """1.0 when any rank's reduced gradient holds an inf or NaN, else 0.0 (fp32, on ``device``)."""
@@ -562,15 +573,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             state = grad_scaler._per_optimizer_states[id(self)]
             if state["stage"] is OptState.READY:
                 self.unscale_grads(grad_scaler=grad_scaler)
-            elif self.device not in state["found_inf_per_device"]:
+            elif getattr(self, "_unscaled_for", None) is not grad_scaler:
                 raise RuntimeError(
                     "DistributedFusedAdam: GradScaler.unscale_(optimizer) cannot see this optimizer's "
                     "gradients (they live in its shards, not in param.grad); call "
                     "optimizer.unscale_grads(grad_scaler=scaler) instead"
                 )
-            found_inf = torch.stack(
-                [t.to(self.device, torch.float32).reshape(()) for t in state["found_inf_per_device"].values()]
-            ).amax().reshape(1)
+            found_inf = (
+                torch.stack(
+                    [t.to(self.device, torch.float32).reshape(()) for t in state["found_inf_per_device"].values()]
+                )
+                .amax()
+                .reshape(1)
+            )
+        self._unscaled_for = None
         step = self.state["step"]
         if found_inf is None:
             step.add_(1.0)
@@ -589,18 +605,23 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _step_bucket(self, bucket: _Bucket, step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
         fragments = self._local_fragments(bucket)
         if bucket.grads_shard is None:
-            grads = torch.zeros(self.shard_size, dtype=self.grad_sync_dtype, device=self.device)
+            grads = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
         else:
-            grads = bucket.grads_shard
-            grads.mul_(self._grad_scale.to(grads.dtype))
+            # Unscaled/clipped in fp32 (in place for an fp32 shard): a loss scale's inverse can be
+            # subnormal in fp16.
+            grads = bucket.grads_shard.float().mul_(self._grad_scale)
         if self.store_param_remainders:
             master = self._pack_params(bucket, torch.bfloat16)
         elif self.store_params:
             master = bucket.params_shard
         else:
             master = self._pack_params(bucket, self.dtype)
-        separate_output = self.store_param_remainders or self.param_sync_dtype != self.dtype or self.dtype != torch.float32
-        output = torch.zeros(self.shard_size, dtype=self.param_sync_dtype, device=self.device) if separate_output else master
+        separate_output = (
+            self.store_param_remainders or self.param_sync_dtype != self.dtype or self.dtype != torch.float32
+        )
+        output = (
+            torch.zeros(self.shard_size, dtype=self.param_sync_dtype, device=self.device) if separate_output else master
+        )
         bucket.param_gather = (None, output)
         by_group: dict[int, list[_Fragment]] = {}
         for f in fragments:
@@ -610,7 +631,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             group = self.param_groups[g]
             beta1, beta2 = group["betas"]
             lr = group["lr"]
-            lr_value, lr_tensor = (0.0, lr.to(self.device, torch.float32).reshape(1)) if isinstance(lr, torch.Tensor) else (float(lr), None)
+            lr_value, lr_tensor = (
+                (0.0, lr.to(self.device, torch.float32).reshape(1))
+                if isinstance(lr, torch.Tensor)
+                else (float(lr), None)
+            )
 
             def views(t, fs=group_fragments):
                 return [t[slice(*f.shard_range)] for f in fs]
@@ -703,9 +728,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         format (``state_dict_format=1``, pickled per-rank shards) is not supported.
         """
         if state_dict_format not in (None, _STATE_DICT_FORMAT):
-            raise ValueError(f"DistributedFusedAdam.state_dict: state_dict_format={state_dict_format} is not supported (only 2)")
+            raise ValueError(
+                f"DistributedFusedAdam.state_dict: state_dict_format={state_dict_format} is not supported (only 2)"
+            )
         if gather_on_root is not None:
-            raise ValueError("DistributedFusedAdam.state_dict: gather_on_root belongs to the v1 format, which is not supported")
+            raise ValueError(
+                "DistributedFusedAdam.state_dict: gather_on_root belongs to the v1 format, which is not supported"
+            )
         self.grad_sync()
         self.param_sync()
         masters = []
@@ -757,7 +786,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"{name}: expected a state dict of format 2 (from state_dict()), got format={fmt!r}")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"{name}: the state dict has {len(saved_groups)} parameter groups, the optimizer {len(self.param_groups)}")
+            raise ValueError(
+                f"{name}: the state dict has {len(saved_groups)} parameter groups, "
+                f"the optimizer {len(self.param_groups)}"
+            )
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
@@ -780,7 +812,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 for key in ("param", "exp_avg", "exp_avg_sq"):
                     if entry[key].shape != p.shape:
                         raise ValueError(
-                            f"{name}: state[{index}][{key!r}] has shape {tuple(entry[key].shape)}, the parameter {tuple(p.shape)}"
+                            f"{name}: state[{index}][{key!r}] has shape {tuple(entry[key].shape)}, "
+                            f"the parameter {tuple(p.shape)}"
                         )
                 self._load_param_state(p, entry)
         self.state["step"].fill_(float(saved_state["step"]))

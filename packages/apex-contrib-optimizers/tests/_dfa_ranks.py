@@ -1,0 +1,512 @@
+"""DistributedFusedAdam's multi-process workers and their single-process float64 references.
+
+Loaded by path in each rank (``apex.core.testing.run_ranks``) and imported by the test module.
+
+Two models:
+- ``Probe``: loss = sum over parameters of ``(p * G).sum()`` with ``G`` drawn per (step, micro-batch,
+  rank) from a seed, so a parameter's gradient is exactly ``G`` (values rounded to bf16, so exact in
+  every dtype) and the averaged gradient is known without running the model: the optimizer's math is
+  checked alone, for every dtype and layout option;
+- ``Mlp``: a small nonlinear model on data split across ranks (the whole batch's mean loss is the
+  mean of the ranks' losses), against a float64 copy trained on the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# uneven sizes; 130 spans several 32-element shards; an empty and a frozen parameter are skipped
+SHAPES = [(7, 5), (7,), (130,), (3, 7), (1,), (0,), (33,)]
+FROZEN = 4  # index of a parameter that does not require grad
+GROUP_SPLIT = 3  # parameters [0, 3) form group 0, the rest group 1
+GROUPS = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-2, weight_decay=0.0)]
+BETAS = (0.8, 0.95)
+EPS = 1e-6
+INIT_SEED = 100
+
+
+def bucket_cap_mb(shard_elements: int, world: int, element_size: int = 4) -> float:
+    """The bucket_cap_mb giving shards of ``shard_elements`` at ``world`` ranks."""
+    return shard_elements * world * element_size / 2**20
+
+
+def initial_values(seed: int = INIT_SEED) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in SHAPES]
+
+
+def probe_grads(step: int, micro: int, rank: int) -> list[torch.Tensor]:
+    """A rank's gradients of one micro-batch: random values exact in bf16 (and so in every dtype)."""
+    g = torch.Generator().manual_seed(1_000_000 + 1000 * step + 10 * micro + rank)
+    return [torch.randn(s, generator=g).bfloat16().double() for s in SHAPES]
+
+
+class Probe(nn.Module):
+    def __init__(self, dtype: torch.dtype, seed: int = INIT_SEED):
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(v.to(dtype)) for v in initial_values(seed)])
+        self.ps[FROZEN].requires_grad_(False)
+
+    def forward(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return sum((p.float() * g.to(p.device, torch.float32)).sum() for p, g in zip(self.ps, grads))
+
+    def groups(self, **extra):
+        ps = list(self.ps)
+        return [
+            dict(params=ps[:GROUP_SPLIT], **{**GROUPS[0], **extra}),
+            dict(params=ps[GROUP_SPLIT:], **{**GROUPS[1], **extra}),
+        ]
+
+
+# configurations of the Probe runs ------------------------------------------------------------
+# param_dtype, shard (elements), steps, micro (micro-batches, all but the last under no_sync),
+# options (DistributedFusedAdam keywords), emulate ("round_params": the parameters are the
+# master values each step, rounded; "round_state": fp16/bf16 state), tol (of the final parameters).
+PROBES = {
+    "fp32_small_buckets_overlap": dict(param_dtype=torch.float32, shard=32, options=dict(overlap_grad_sync=True)),
+    "fp32_one_bucket_no_overlap_adam_l2": dict(
+        param_dtype=torch.float32, shard=4096, options=dict(overlap_grad_sync=False, adam_w_mode=False)
+    ),
+    "fp32_accumulate_no_sync": dict(param_dtype=torch.float32, shard=64, micro=3),
+    "fp32_accumulate_no_overlap_contiguous_grads": dict(
+        param_dtype=torch.float32,
+        shard=32,
+        micro=2,
+        options=dict(overlap_grad_sync=False, contiguous_grad_buffer=True),
+    ),
+    "fp32_overlap_param_sync_pipeline_1": dict(
+        param_dtype=torch.float32, shard=32, options=dict(overlap_param_sync=True, pipeline_size=1)
+    ),
+    "fp32_store_params_false": dict(param_dtype=torch.float32, shard=32, options=dict(store_params=False)),
+    "bf16_params_fp32_master": dict(
+        param_dtype=torch.bfloat16, shard=32, options=dict(param_sync_dtype=torch.bfloat16), master=True
+    ),
+    "bf16_params_remainders": dict(
+        param_dtype=torch.bfloat16,
+        shard=32,
+        options=dict(store_params=False, store_param_remainders=True, param_sync_dtype=torch.bfloat16),
+        master=True,
+        remainders=True,
+    ),
+    "bf16_params_no_master": dict(
+        param_dtype=torch.bfloat16,
+        shard=32,
+        options=dict(store_params=False, param_sync_dtype=torch.bfloat16),
+        emulate="round_params",
+    ),
+    "fp16_params_fp32_sync": dict(param_dtype=torch.float16, shard=32, master=True),
+    "bf16_state": dict(
+        param_dtype=torch.float32, shard=64, options=dict(dtype=torch.bfloat16), emulate="round_state", tol=2e-2
+    ),
+    "bf16_grad_sync": dict(
+        param_dtype=torch.float32, shard=64, options=dict(grad_sync_dtype=torch.bfloat16), grad_dtype=torch.bfloat16
+    ),
+}
+
+
+def probe_options(cfg: dict, world: int) -> dict:
+    options = dict(cfg.get("options", {}))
+    size = torch.finfo(options.get("grad_sync_dtype", options.get("dtype", torch.float32))).bits // 8
+    options["bucket_cap_mb"] = bucket_cap_mb(cfg["shard"], world, size)
+    return options
+
+
+def train_probe(
+    cfg: dict, world: int, rank: int, model=None, optimizer=None, start: int = 0, steps: int = 3, device="cpu"
+):
+    """Train ``Probe`` with DistributedFusedAdam for ``steps`` steps; return (model, optimizer)."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    if model is None:
+        # Each rank starts from other values: the broadcast from rank 0 must win.
+        model = Probe(cfg["param_dtype"], seed=INIT_SEED + rank).to(device)
+        optimizer = DistributedFusedAdam(
+            model.groups(), betas=BETAS, eps=EPS, device=device, **probe_options(cfg, world)
+        )
+    micro = cfg.get("micro", 1)
+    contiguous = cfg.get("options", {}).get("contiguous_grad_buffer", False)
+    for step in range(start, start + steps):
+        for m in range(micro):
+            grads = probe_grads(step, m, rank)
+            if m < micro - 1:
+                with optimizer.no_sync():
+                    model(grads).backward()
+                if contiguous:
+                    # the local (unreduced) gradient so far: the sum of this rank's micro-batches
+                    for i, p in enumerate(model.ps):
+                        if p.requires_grad and p.numel():
+                            expected = sum(probe_grads(step, k, rank)[i] for k in range(m + 1)).float()
+                            view = optimizer.grad_buffer_view(p).cpu()
+                            torch.testing.assert_close(view, expected, rtol=0, atol=0)
+            else:
+                model(grads).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.param_sync()
+    return model, optimizer
+
+
+def probe_worker(rank: int, world: int, names: list[str]):
+    out = {}
+    for name in names:
+        cfg = PROBES[name]
+        model, optimizer = train_probe(cfg, world, rank, steps=cfg.get("steps", 3))
+        out[name] = dict(
+            params=[p.detach().double().clone() for p in model.ps],
+            state=optimizer.state_dict(),
+            grads_none=all(p.grad is None for p in model.ps),
+            layout=dict(
+                shard=optimizer.shard_size,
+                buckets=len(optimizer._buckets),
+                state_elements=sum(b.exp_avg.numel() for b in optimizer._buckets),
+                buckets_of_param_2=len(optimizer._param_buckets[model.ps[2]]),
+            ),
+        )
+    return out
+
+
+def averaged_grads(step: int, world: int, micro: int = 1, grad_dtype=None) -> list[torch.Tensor]:
+    total = None
+    for rank in range(world):
+        summed = [sum(parts) for parts in zip(*(probe_grads(step, m, rank) for m in range(micro)))]
+        if grad_dtype is not None:  # a rank's local buffer holds its gradient in grad_dtype
+            summed = [g.to(grad_dtype).double() for g in summed]
+        total = summed if total is None else [a + b for a, b in zip(total, summed)]
+    return [t / world for t in total]
+
+
+def reference_probe(cfg: dict, world: int, steps: int = 3, skip_steps=(), clip=None):
+    """float64 torch.optim on the averaged gradients (emulating the rounding the config implies).
+
+    Returns (params, masters, exp_avgs, exp_avg_sqs, step count, clip norms)."""
+    values = initial_values()
+    dtype = cfg["param_dtype"]
+    emulate = cfg.get("emulate")
+    params = [nn.Parameter(v.to(dtype).double()) for v in values]
+    adam_w = cfg.get("options", {}).get("adam_w_mode", True)
+    cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+    groups = [
+        dict(params=[p for i, p in enumerate(params[:GROUP_SPLIT]) if i != FROZEN], **GROUPS[0]),
+        dict(params=[p for i, p in enumerate(params) if i >= GROUP_SPLIT and i != FROZEN], **GROUPS[1]),
+    ]
+    optimizer = cls(groups, betas=BETAS, eps=EPS)
+    state_dtype = cfg.get("options", {}).get("dtype", torch.float32)
+    norms = []
+    count = 0
+    for step in range(steps):
+        if step in skip_steps:
+            continue
+        grads = averaged_grads(step, world, cfg.get("micro", 1), cfg.get("grad_dtype"))
+        for i, (p, g) in enumerate(zip(params, grads)):
+            p.grad = None if i == FROZEN else g.clone()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip))
+        optimizer.step()
+        count += 1
+        if emulate == "round_params":
+            for p in params:
+                p.data.copy_(p.data.to(dtype).double())
+        if emulate == "round_state":
+            for p in params:
+                p.data.copy_(p.data.to(state_dtype).double())
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if p in optimizer.state:
+                        s = optimizer.state[p][key]
+                        s.copy_(s.to(state_dtype).double())
+    states = [optimizer.state.get(p, {}) for p in params]
+    return dict(
+        masters=[p.detach().clone() for p in params],
+        exp_avg=[s.get("exp_avg") for s in states],
+        exp_avg_sq=[s.get("exp_avg_sq") for s in states],
+        step=count,
+        norms=norms,
+    )
+
+
+# GradScaler, clipping, state dict ---------------------------------------------------------------
+
+INF_STEP, INF_RANK = 1, 1  # the step whose gradient has an inf on one rank only
+SCALER_CFG = dict(param_dtype=torch.float32, shard=32)
+CLIP_CFG = dict(param_dtype=torch.float32, shard=32)
+CLIP_NORM = 3.0  # below the gradients' norm (about 14): every step clips
+
+
+def scaler_worker(rank: int, world: int):
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = Probe(torch.float32)
+    optimizer = DistributedFusedAdam(
+        model.groups(), betas=BETAS, eps=EPS, device="cpu", **probe_options(SCALER_CFG, world)
+    )
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    scales = []
+    for step in range(4):
+        grads = probe_grads(step, 0, rank)
+        if step == INF_STEP and rank == INF_RANK:
+            grads[2][5] = math.inf
+        scaler.scale(model(grads)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        optimizer.zero_grad()
+    # scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check
+    scaler.scale(model(probe_grads(9, 0, rank))).backward()
+    scaler.unscale_(optimizer)
+    try:
+        scaler.step(optimizer)
+        refused = None
+    except RuntimeError as error:
+        refused = str(error)
+    return dict(
+        params=[p.detach().double().clone() for p in model.ps],
+        scales=scales,
+        state=optimizer.state_dict(),
+        refused=refused,
+    )
+
+
+def clip_worker(rank: int, world: int):
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = Probe(torch.float32)
+    optimizer = DistributedFusedAdam(
+        model.groups(), betas=BETAS, eps=EPS, device="cpu", **probe_options(CLIP_CFG, world)
+    )
+    norms = []
+    inf_norms = []
+    for step in range(3):
+        model(probe_grads(step, 0, rank)).backward()
+        inf_norms.append(optimizer.grad_norm(norm_type=math.inf).item())
+        norms.append(optimizer.clip_grad_norm(CLIP_NORM).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    return dict(params=[p.detach().double().clone() for p in model.ps], norms=norms, inf_norms=inf_norms)
+
+
+STATE_CFG = dict(param_dtype=torch.float32, shard=32)
+
+
+def save_worker(rank: int, world: int):
+    """Train 2 steps, save; train 2 more: (saved state dict, parameters then, final parameters)."""
+    model, optimizer = train_probe(STATE_CFG, world, rank, steps=2)
+    saved = optimizer.state_dict()
+    saved_params = [p.detach().clone() for p in model.ps]
+    train_probe(STATE_CFG, world, rank, model, optimizer, start=2, steps=2)
+    return dict(saved=saved, saved_params=saved_params, final=[p.detach().double().clone() for p in model.ps])
+
+
+def load_worker(rank: int, world: int, saved: dict, saved_params: list, saved_world: int):
+    """Load a state dict saved at ``saved_world`` ranks and train 2 more steps on the same gradients."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = Probe(torch.float32)
+    with torch.no_grad():
+        for p, v in zip(model.ps, saved_params):
+            p.copy_(v)
+    # another bucket size too: the format does not depend on the layout
+    options = probe_options(dict(STATE_CFG, shard=64), world)
+    optimizer = DistributedFusedAdam(model.groups(lr=0.5), betas=(0.5, 0.5), eps=EPS, device="cpu", **options)
+    optimizer.load_state_dict(saved)
+    for step in (2, 3):
+        # this rank's share of the gradients the saving run averaged
+        grads = [g * world for g in averaged_grads(step, saved_world)] if rank == 0 else None
+        if grads is None:
+            grads = [torch.zeros_like(g) for g in probe_grads(step, 0, rank)]
+        model(grads).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().double().clone() for p in model.ps]
+
+
+# the MLP ------------------------------------------------------------------------------------------
+
+BATCH = 12
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(5, 19)
+        self.fc2 = nn.Linear(19, 19)
+        self.out = nn.Linear(19, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def mlp_batch(step: int):
+    g = torch.Generator().manual_seed(500 + step)
+    return torch.randn(BATCH, 5, generator=g, dtype=torch.float64), torch.randn(
+        BATCH, 3, generator=g, dtype=torch.float64
+    )
+
+
+def mlp_model(dtype=torch.float32):
+    torch.manual_seed(7)
+    return Mlp().to(dtype)
+
+
+def mlp_worker(rank: int, world: int, overlap_param_sync: bool, device="cpu"):
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = mlp_model().to(device)
+    optimizer = DistributedFusedAdam(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.05,
+        device=device,
+        bucket_cap_mb=bucket_cap_mb(64, world),
+        overlap_param_sync=overlap_param_sync,
+    )
+    for step in range(4):
+        x, y = mlp_batch(step)
+        x, y = x.float().chunk(world)[rank].to(device), y.float().chunk(world)[rank].to(device)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.param_sync()
+    return {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+
+
+def nccl_mlp_worker(rank: int, world: int):
+    return mlp_worker(rank, world, False, device=torch.device("cuda", rank))
+
+
+def nccl_probe_worker(rank: int, world: int, name: str):
+    model, _ = train_probe(
+        PROBES[name], world, rank, steps=PROBES[name].get("steps", 3), device=torch.device("cuda", rank)
+    )
+    return [p.detach().double().cpu() for p in model.ps]
+
+
+def mlp_reference():
+    model = mlp_model(torch.float64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.05)
+    for step in range(4):
+        x, y = mlp_batch(step)
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# hybrid sharding ------------------------------------------------------------------------------------
+
+
+def hybrid_worker(rank: int, world: int):
+    """Shard over groups of one rank each, replicate over all ranks."""
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    everyone = dist.new_group(list(range(world)))
+    cfg = dict(param_dtype=torch.float32, shard=32)
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = Probe(torch.float32, seed=INIT_SEED + rank)
+    options = probe_options(cfg, 1)
+    optimizer = DistributedFusedAdam(
+        model.groups(),
+        betas=BETAS,
+        eps=EPS,
+        device="cpu",
+        distributed_process_group=singles[rank],
+        redundant_process_group=everyone,
+        **options,
+    )
+    train_probe(cfg, world, rank, model, optimizer, steps=3)
+    return [p.detach().double().clone() for p in model.ps]
+
+
+# bad arguments ---------------------------------------------------------------------------------------
+
+BAD_ARGUMENTS = {
+    "amsgrad": (dict(amsgrad=True), RuntimeError, "amsgrad"),
+    "with_scaled_states": (dict(with_scaled_states=True), NotImplementedError, "with_scaled_states"),
+    "nccl_ub": (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
+    "capturable": (dict(capturable=True), NotImplementedError, "capturable"),
+    "contiguous_param_buffer": (dict(contiguous_param_buffer=True), NotImplementedError, "contiguous_param_buffer"),
+    "dtype": (dict(dtype=torch.float64), ValueError, "dtype"),
+    "grad_sync_dtype": (dict(grad_sync_dtype=torch.int32), ValueError, "grad_sync_dtype"),
+    "param_sync_dtype": (dict(param_sync_dtype=torch.float64), ValueError, "param_sync_dtype"),
+    "remainders_with_store_params": (dict(store_param_remainders=True), RuntimeError, "store_params"),
+    "remainders_without_bf16_sync": (
+        dict(store_param_remainders=True, store_params=False),
+        RuntimeError,
+        "param_sync_dtype",
+    ),
+    "remainders_with_fp32_params": (
+        dict(store_param_remainders=True, store_params=False, param_sync_dtype=torch.bfloat16),
+        RuntimeError,
+        "bf16 parameters",
+    ),
+    "bucket_cap_mb": (dict(bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    "pipeline_size": (dict(pipeline_size=0), ValueError, "pipeline_size"),
+    "lr": (dict(lr=-1.0), ValueError, "lr"),
+    "eps": (dict(eps=float("nan")), ValueError, "eps"),
+    "weight_decay": (dict(weight_decay=-0.1), ValueError, "weight_decay"),
+    "betas": (dict(betas=(0.9, 1.0)), ValueError, "betas"),
+    "device": (dict(device="meta"), ValueError, "device"),
+    "cuda_device": (dict(device="cuda"), ValueError, "device"),
+    "process_groups": ("redundant", RuntimeError, "redundant_process_group"),
+}
+
+
+def bad_arguments_worker(rank: int, world: int):
+    import torch.distributed as dist
+
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    out = {}
+    for name, (kwargs, _, _) in BAD_ARGUMENTS.items():
+        if kwargs == "redundant":
+            kwargs = dict(redundant_process_group=dist.new_group(list(range(world))))
+        if name == "cuda_device" and torch.cuda.is_available():
+            out[name] = ("skipped", "CUDA is available")
+            continue
+        model = Probe(torch.float32)
+        try:
+            DistributedFusedAdam(model.parameters(), **{"device": "cpu", **kwargs})
+            out[name] = ("no error", "")
+        except Exception as error:
+            out[name] = (type(error).__name__, str(error))
+    # bad input after construction
+    model = Probe(torch.float32)
+    optimizer = DistributedFusedAdam(model.parameters(), device="cpu")
+    for name, call in (
+        ("grad_buffer_view", lambda: optimizer.grad_buffer_view(model.ps[0])),
+        ("state_dict_format", lambda: optimizer.state_dict(state_dict_format=1)),
+        ("load_format", lambda: optimizer.load_state_dict({"state": {}, "param_groups": []})),
+        ("grad_norm", lambda: optimizer.grad_norm(norm_type=0.0)),
+    ):
+        try:
+            call()
+            out[name] = ("no error", "")
+        except Exception as error:
+            out[name] = (type(error).__name__, str(error))
+    return out
+
+
+# everything one world size runs, in one set of processes (starting ranks is the slow part) ----------
+
+
+def suite_worker(rank: int, world: int, saved=None):
+    """Every check at ``world`` ranks; ``saved``: (state dict, parameters, world) to load and continue."""
+    out = dict(
+        probes=probe_worker(rank, world, list(PROBES)),
+        mlp={flag: mlp_worker(rank, world, flag) for flag in (False, True)},
+    )
+    if world == 2:
+        out.update(
+            scaler=scaler_worker(rank, world),
+            clip=clip_worker(rank, world),
+            save=save_worker(rank, world),
+            hybrid=hybrid_worker(rank, world),
+            bad=bad_arguments_worker(rank, world),
+        )
+    if saved is not None:
+        out["load"] = load_worker(rank, world, *saved)
+    return out
