@@ -265,3 +265,14 @@ def test_inconsistent_sparsity():
     model.fc1.get_buffer("__weight_mma_mask").fill_(True)
     with pytest.raises(AssertionError, match="Inconsistent model sparsity"):
         ASP.is_sparsity_enabled()
+
+
+def test_permutation_stats():
+    model = Net()
+    Permutation.set_search_options({"strategy": "channel_swap", "escape_attempts": 2})
+    ASP.init_model_for_pruning(model, verbosity=0)
+    ASP.compute_sparse_masks()
+    permuted_in_c, permuted_in_k, unpermuted = Permutation.get_permutation_stats()
+    assert set(permuted_in_c) == {"fc1.weight", "fc2.weight"}
+    assert set(permuted_in_k) == {"narrow.weight", "narrow.bias", "fc1.weight", "fc1.bias"}
+    assert any("conv" in entry and "model input" in entry for entry in unpermuted)

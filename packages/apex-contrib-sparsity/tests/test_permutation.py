@@ -280,3 +280,33 @@ def test_search_bad_input():
         Channel_Swap(torch.randn(4, 16), permutation=[0] * 16)
     with pytest.raises(ValueError, match=r"would try \d+ layouts"):
         Exhaustive_Search(torch.randn(4, 32), stripe_group_size=-1)
+
+
+def distributed_worker(rank: int, world_size: int):
+    """Same model on every rank, a different search seed on each: rank 0's permutation must win."""
+    torch.manual_seed(8)
+    model = MLP()
+    x = torch.randn(3, 16)
+    expected = model(x).detach()
+    Permutation._reset_state()
+    Permutation.set_search_options({"strategy": "channel_swap", "escape_attempts": 20})
+    Permutation.set_identical_seed(100 + rank)
+    assert Permutation.permute_model(model)
+    return (
+        model.fc1.weight.detach().clone(),
+        model.out.weight.detach().clone(),
+        (model(x) - expected).abs().max().item(),
+    )
+
+
+def test_ranks_apply_rank_0_permutation():
+    from pathlib import Path
+
+    from apex.core.testing import run_ranks
+
+    results = run_ranks(Path(__file__), "distributed_worker", 2, backend="gloo", timeout=180)
+    (fc1_0, out_0, error_0), (fc1_1, out_1, error_1) = results
+    assert torch.equal(fc1_0, fc1_1) and torch.equal(out_0, out_1)
+    assert error_0 < 1e-5 and error_1 < 1e-5
+    torch.manual_seed(8)
+    assert not torch.equal(fc1_0, MLP().fc1.weight.detach())  # permuted

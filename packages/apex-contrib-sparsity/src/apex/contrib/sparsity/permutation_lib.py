@@ -351,6 +351,9 @@ class Permutation:
     _tcpstore_port = 2341
     _search_options: dict | None = None
     _sparse_ids: set[int] | None = None
+    _params_permuted_in_C: ClassVar[list[str]] = []
+    _params_permuted_in_K: ClassVar[list[str]] = []
+    _unpermuted_dims: ClassVar[list[str]] = []
 
     @classmethod
     def _reset_state(cls) -> None:
@@ -364,6 +367,9 @@ class Permutation:
         cls._identical_seed = 1
         cls._search_options = None
         cls._sparse_ids = None
+        cls._params_permuted_in_C = []
+        cls._params_permuted_in_K = []
+        cls._unpermuted_dims = []
 
     @classmethod
     def set_identical_seed(cls, identical_seed=1):
@@ -394,6 +400,16 @@ class Permutation:
         cls._all_parameters = all_parameters
         cls._verbosity = verbosity
         cls._sparse_ids = {id(entry[3]) for entry in sparse_parameters}
+        cls._params_permuted_in_C = []
+        cls._params_permuted_in_K = []
+        cls._unpermuted_dims = []
+
+    @classmethod
+    def get_permutation_stats(cls):
+        """``(params permuted in C, params permuted in K, unpermuted dims)`` of the permutations
+        applied so far, as ``"<module>.<parameter>"`` names and, for the groups left alone,
+        ``"<consumer names>: <reason>"``."""
+        return cls._params_permuted_in_C, cls._params_permuted_in_K, cls._unpermuted_dims
 
     @classmethod
     def set_search_options(cls, options: dict | None):
@@ -447,6 +463,7 @@ class Permutation:
         record["channels"] = channels
         if reason is not None:
             record["skipped"] = reason
+            cls._unpermuted_dims.append(f"{record['consumers']}: {reason}")
             if cls._verbosity >= 2:
                 print(f"[ASP] not permuting the inputs of {record['consumers']}: {reason}")
             return record
@@ -455,26 +472,35 @@ class Permutation:
         ]
         device = pruned[0].device
         matrix = torch.cat([as_matrix(w.detach()).to(device=device, dtype=torch.float32) for w in pruned])
-        options = dict(cls._search_options) if cls._search_options else None
-        permutation = accelerated_search_for_good_permutation(
-            matrix, options, verbosity=max(cls._verbosity - 2, 0), seed=cls._identical_seed
-        )
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        permutation = None
+        if not distributed or torch.distributed.get_rank() == 0:
+            options = dict(cls._search_options) if cls._search_options else None
+            permutation = accelerated_search_for_good_permutation(
+                matrix, options, verbosity=max(cls._verbosity - 2, 0), seed=cls._identical_seed
+            )
+        if distributed:
+            # rank 0 searches, every rank applies its result: the ranks' models stay identical
+            # even where float sums on different devices could tip a search another way
+            shared = [permutation]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            permutation = shared[0]
         before = _ops.kept_magnitude(matrix)
         after = _ops.kept_magnitude(matrix[:, permutation])
         record.update(kept_before=before, kept_after=after)
         if after <= before:
             record["skipped"] = "the search found no better order"
+            cls._unpermuted_dims.append(f"{record['consumers']}: {record['skipped']}")
             return record
         record["permutation"] = permutation
         with torch.no_grad():
-            for _, module in group.consumers.values():
-                _permute_parameter(module, "weight", 1, permutation, optimizer)
-            for _, module in group.producers.values():
-                _permute_parameter(module, "weight", 0, permutation, optimizer)
-                _permute_parameter(module, "bias", 0, permutation, optimizer)
-            for _, module in group.per_channel.values():
+            for module_name, module in group.consumers.values():
+                if _permute_parameter(module, "weight", 1, permutation, optimizer):
+                    cls._params_permuted_in_C.append(f"{module_name}.weight")
+            for module_name, module in [*group.producers.values(), *group.per_channel.values()]:
                 for name in ("weight", "bias", "running_mean", "running_var"):
-                    _permute_parameter(module, name, 0, permutation, optimizer)
+                    if _permute_parameter(module, name, 0, permutation, optimizer):
+                        cls._params_permuted_in_K.append(f"{module_name}.{name}")
         if cls._verbosity >= 2:
             print(
                 f"[ASP] permuted the {channels} input channels of {record['consumers']}: kept magnitude "
@@ -483,11 +509,12 @@ class Permutation:
         return record
 
 
-def _permute_parameter(module, name: str, dim: int, permutation: list[int], optimizer) -> None:
-    """Reorder ``module.<name>`` along ``dim``, with ASP's buffers of it and its optimizer state."""
+def _permute_parameter(module, name: str, dim: int, permutation: list[int], optimizer) -> bool:
+    """Reorder ``module.<name>`` along ``dim``, with ASP's buffers of it and its optimizer state;
+    whether the module has such a tensor."""
     tensor = getattr(module, name, None)
     if not isinstance(tensor, torch.Tensor):
-        return
+        return False
     related = [tensor]
     for buffer in (f"__{name}_mma_mask", f"__{name}_mma_pruned_p"):
         if module._buffers.get(buffer) is not None:
@@ -499,6 +526,7 @@ def _permute_parameter(module, name: str, dim: int, permutation: list[int], opti
     for t in related:
         index = torch.tensor(permutation, dtype=torch.int64, device=t.device)
         t.copy_(t.index_select(dim, index))
+    return True
 
 
 __all__ = ["Permutation", "PermutationWarning", "find_channel_groups"]
