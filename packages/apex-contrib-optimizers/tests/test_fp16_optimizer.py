@@ -58,6 +58,32 @@ def test_fp16_optimizer_follows_float64_with_a_static_scale(device, kind):
     assert opt.cur_iter == 4 and opt.cur_scale == 128.0
 
 
+class ToFloat(torch.nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def test_mixed_fp16_and_fp32_model(device):
+    # An fp16 layer and an fp32 head: one group's norm over both dtypes; the fp32 weights move too.
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32).to(device, torch.float16), torch.nn.Tanh(), ToFloat(),
+                                torch.nn.Linear(32, 4).to(device))  # fmt: skip
+    params = list(model.parameters())
+    opt = FP16_Optimizer(FusedAdam(params, **ADAM), static_loss_scale=16.0, verbose=False)
+    masters = opt.fp32_groups[0]
+    ref = ContribAdam(masters, eps_inside_sqrt=False, **ADAM)
+    for _ in range(3):
+        opt.zero_grad()
+        opt.backward(loss_of(model, *batch(device)))
+        grads = [p.grad.clone() for p in params]
+        opt.step()
+        ref.step(grads, divisor=16.0)
+    for master, p, expected in zip(masters, params, ref.p):
+        assert_close(master, expected, torch.float32)
+        assert torch.equal(p.detach(), master.to(p.dtype))
+    assert {p.dtype for p in params} == {torch.float16, torch.float32}
+
+
 def test_dynamic_scale_skips_overflowing_steps_and_lowers_the_scale(device, capsys):
     model = half_model(device)
     params = list(model.parameters())

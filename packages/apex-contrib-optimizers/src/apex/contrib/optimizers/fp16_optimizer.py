@@ -109,9 +109,16 @@ class FP16_Optimizer:
             if not grads:
                 norms.append(None)
                 continue
-            noop = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
-            norm, _ = torch.ops.apex_core.multi_tensor_l2norm(_CHUNK_SIZE, noop, grads, False)
-            norms.append(norm)
+            by_kind = {}  # the norm op takes one dtype and device per call
+            for g in grads:
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+            home = grads[0].device
+            squares = []
+            for (device, _), same in by_kind.items():
+                noop = torch.zeros(1, dtype=torch.int32, device=device)
+                norm, _ = torch.ops.apex_core.multi_tensor_l2norm(_CHUNK_SIZE, noop, same, False)
+                squares.append(norm.to(home).square())
+            norms.append(squares[0].sqrt() if len(squares) == 1 else torch.stack(squares).sum(0).sqrt())
         return norms
 
     def step(self, closure=None):
