@@ -13,6 +13,7 @@ Two models:
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -490,6 +491,30 @@ def bad_arguments_worker(rank: int, world: int):
     return out
 
 
+def overlap_worker(rank: int, world: int):
+    """How many buckets began their reduce-scatter during backward; the norm after zero_grad."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    out = {}
+    for case in ("overlap", "no_overlap", "no_sync"):
+        model = Probe(torch.float32)
+        options = probe_options(dict(shard=32, options=dict(overlap_grad_sync=case != "no_overlap")), world)
+        optimizer = DistributedFusedAdam(model.parameters(), device="cpu", **options)
+        context = optimizer.no_sync() if case == "no_sync" else contextlib.nullcontext()
+        with context:
+            model(probe_grads(0, 0, rank)).backward()
+        started = sum(b.grad_sync is not None or b.grads_shard is not None for b in optimizer._buckets)
+        norm = optimizer.grad_norm().item()
+        optimizer.zero_grad()
+        out[case] = dict(
+            started=started,
+            buckets=len(optimizer._buckets),
+            norm=norm,
+            norm_after_zero_grad=optimizer.grad_norm().item(),
+        )
+    return out
+
+
 # everything one world size runs, in one set of processes (starting ranks is the slow part) ----------
 
 
@@ -506,6 +531,7 @@ def suite_worker(rank: int, world: int, saved=None):
             save=save_worker(rank, world),
             hybrid=hybrid_worker(rank, world),
             bad=bad_arguments_worker(rank, world),
+            overlap=overlap_worker(rank, world),
         )
     if saved is not None:
         out["load"] = load_worker(rank, world, *saved)
