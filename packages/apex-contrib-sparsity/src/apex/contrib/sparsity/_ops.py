@@ -247,12 +247,16 @@ def mn_2d_best(a):
     rows, cols = matrix.shape
     magnitude = _magnitudes(matrix)
     blocks = _blocks(magnitude, m)
-    patterns = valid_2d_patterns(m, n).to(device=matrix.device, dtype=magnitude.dtype)
+    patterns = valid_2d_patterns(m, n).to(matrix.device) > 0.5
+    # each pattern as the m*n positions it keeps: scores are exact sums, not a matmul (which TF32
+    # or a low-precision reduction would round)
+    kept = patterns.nonzero()[:, 1].reshape(patterns.shape[0], m * n)
     best = torch.empty(blocks.shape[0], dtype=torch.int64, device=matrix.device)
-    for part in _chunks(blocks.shape[0], patterns.shape[0]):
+    for part in _chunks(blocks.shape[0], kept.numel()):
+        scores = blocks[part][:, kept].sum(dim=2)
         # argmax returns the first maximum: ties go to the earlier pattern
-        best[part] = torch.argmax(blocks[part] @ patterns.t(), dim=1)
-    chosen = patterns[best] > 0.5
+        best[part] = torch.argmax(scores, dim=1)
+    chosen = patterns[best]
     return _unblocks(chosen, rows, cols, m)
 
 

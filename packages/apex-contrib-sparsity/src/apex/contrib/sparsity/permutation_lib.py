@@ -27,6 +27,15 @@ buffers of permuted parameters are permuted with them; the searches use a privat
 generator seeded by :meth:`set_identical_seed` instead of reseeding the global ones.
 BatchNorm1d is treated as per-channel only after Conv1d layers (after a Linear its input may be
 ``[N, L, C]``, where it would not be), LayerNorm only over one last dimension after Linear layers.
+
+Not handled (the group is left unpermuted, and says why with verbosity >= 2 or in
+:meth:`Permutation.get_permutation_stats`): ``torch.cat`` of channel groups, flatten/reshape/view
+between layers, grouped and depthwise convolutions, MultiheadAttention's inner projections,
+GroupNorm/InstanceNorm, and any function not listed below. Upstream permutes through
+concatenations and some flattens; ours is more conservative.
+
+Called without ASP (no :meth:`Permutation.set_permutation_params_from_asp`), every Linear/Conv
+reading a group steers the search; with ASP, only the weights ASP prunes.
 """
 
 from __future__ import annotations

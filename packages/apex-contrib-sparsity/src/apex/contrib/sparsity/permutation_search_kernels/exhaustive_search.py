@@ -54,7 +54,7 @@ def _windowed(magnitude, permutation, width, escape_attempts, rng):
         return permutation
     groups = stripe_groups(num_stripes, width).to(device)
     layouts = unique_permutations(4 * width).to(device)
-    group_columns = torch.stack([stripe_columns(g) for g in groups]) if groups.shape[0] else groups
+    group_columns = stripe_columns(groups)
     improvements, best = _ops.build_permute_map(magnitude[:, permutation], groups, layouts)
     best_seen = BestSeen(magnitude, permutation)
     escapes = 0

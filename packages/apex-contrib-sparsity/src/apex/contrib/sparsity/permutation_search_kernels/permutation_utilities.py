@@ -76,12 +76,15 @@ def unique_permutations(width: int) -> torch.Tensor:
 
 def stripe_groups(num_stripes: int, width: int) -> torch.Tensor:
     """All sets of ``width`` distinct stripes, as [count, width] int64 (CPU), each sorted."""
-    return torch.tensor(list(itertools.combinations(range(num_stripes), width)), dtype=torch.int64).reshape(-1, width)
+    if num_stripes < width:
+        return torch.zeros(0, width, dtype=torch.int64)
+    return torch.combinations(torch.arange(num_stripes), r=width).reshape(-1, width)
 
 
 def stripe_columns(stripes: torch.Tensor) -> torch.Tensor:
-    """The column indices of a 1-D tensor of stripes, side by side."""
-    return (stripes.unsqueeze(1) * 4 + torch.arange(4, device=stripes.device)).reshape(-1)
+    """The column indices of stripes ``[..., w]``, side by side: ``[..., 4w]``."""
+    columns = stripes.unsqueeze(-1) * 4 + torch.arange(4, device=stripes.device)
+    return columns.reshape(*stripes.shape[:-1], 4 * stripes.shape[-1])
 
 
 class BestSeen:
