@@ -44,7 +44,7 @@ def train_all(rank, world_size, configs, device="cpu"):
 
 
 def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", device="cpu"):
-    """``scale_by``: "set_global_scale" (upstream's loop) or "grad_scaler" (torch.amp.GradScaler.step)."""
+    """``scale_by``: "set_global_scale", "grad_scaler" (torch.amp.GradScaler.step) or "upstream_loop"."""
     params, opt = _build(rank, kwargs, device)
     scaler = None
     if scale_by == "grad_scaler":
@@ -55,6 +55,19 @@ def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", 
         if step == bad_step and rank == 1:
             grads[2][3] = math.inf
         scale = loss_scale if scaler is None else scaler.get_scale()  # the scaler's current scale
+        if scale_by == "upstream_loop":
+            # Upstream's MLPerf-style loop: backward writes the gradients, zero_grad() comes before
+            # complete_reductions(), the learning rate goes in as optimizer._lr.
+            loss = sum((p * g.to(device)).sum() for p, g in zip(params, grads)) * scale
+            opt._lazy_init_stage1()
+            loss.backward()
+            opt._lazy_init_stage2()
+            opt.zero_grad()
+            opt._lr = torch.tensor(HYPER["lr"], device=device)  # the groups say lr=0.5: _lr must win
+            opt.complete_reductions()
+            opt.set_global_scale(scale)
+            opt.step()
+            continue
         for p, g in zip(params, grads):
             p.grad = (g * scale).to(device)
         if scaler is not None:

@@ -43,6 +43,7 @@ CONFIGS = {  # name: (kwargs, loss scale, step with an inf gradient on rank 1, h
     "overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 1.0, 1, "set_global_scale"),
     "GradScaler": (dict(HYPER, max_grad_norm=1.0), 64.0, None, "grad_scaler"),
     "GradScaler, overflow on one rank": (dict(HYPER, max_grad_norm=1.0), 64.0, 1, "grad_scaler"),
+    "upstream's loop": (dict(HYPER, max_grad_norm=1.0, lr=0.5), 32.0, None, "upstream_loop"),
 }
 
 

@@ -68,12 +68,20 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         skip_allgather: not implemented, True raises.
         param_order: a dict parameter -> position in the flat buffer (default: group order).
 
+    Upstream's training loops work unchanged: ``_lazy_init_stage1()`` before backward (nothing to do
+    here), ``_lazy_init_stage2()`` after it, ``optimizer._lr = lr`` (one learning rate for all
+    parameters, a float or a device tensor; while it is None, as by default here, each group's ``lr``
+    is used), ``zero_grad()`` before or after ``complete_reductions()``, ``set_global_scale``,
+    ``grad_scaler.step(optimizer)``.
+
     Differences from upstream, on purpose: the gradient and parameter buffers are in the model's
     dtype (fp32 for mixed fp16/fp32 models; upstream always uses fp16, which rounds fp32 parameters
-    to 16 bits); ``grad_averaging=False`` is honoured (upstream's kernel ignores it); each group's
-    ``lr`` is used; ``global_scale`` defaults to 1; the gradients are gathered at ``step`` (or
-    ``complete_reductions``) rather than by hooks during backward, so no ``no_sync``-style
-    bookkeeping is needed and ``set_is_accumulation_step``/``set_last_step`` only record their flag.
+    to 16 bits); ``grad_averaging=False`` is honoured (upstream's kernel ignores it); the groups' ``lr``
+    is used until ``_lr`` is assigned (upstream's ``_lr`` starts at 0); ``global_scale`` defaults to 1;
+    the gradients are copied into the flat buffer after backward (by ``_lazy_init_stage2``,
+    ``zero_grad``, ``complete_reductions`` or ``step``, whichever comes first; a gradient hook notes
+    that backward wrote them) rather than by per-block hooks during backward, and
+    ``set_is_accumulation_step`` only keeps ``zero_grad`` from gathering; ``set_last_step`` records its flag.
     Runs on the CPU (gloo) and CUDA (NCCL); this package's LAMB ops are PyTorch implementations.
     """
 
@@ -149,7 +157,11 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._last_step = False
         self._global_scale = None
         self._L2_grad_norm = None
-        self._reduced = False
+        # Upstream's loops assign ``optimizer._lr`` (a float or a device tensor) each step; None: each group's lr.
+        self._lr = None
+        # Where the gradients are: written by backward since the last gather (_pending), copied into the
+        # flat buffer (_gathered), reduce-scattered and not yet stepped on (_reduced).
+        self._pending = self._gathered = self._reduced = False
         self._world_size = world
         self._rank = dist.get_rank()
         self._build(param_order)
@@ -228,6 +240,10 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         }
         self._shard_views["g"] = [self._shard_grads[s : s + n] for _, s, n in fragments]
         self._shard_views["p_copy"] = [self._new_params[shard_start + s : shard_start + s + n] for _, s, n in fragments]
+        for p in params:
+            # Backward marks the gradients as new: zero_grad() before complete_reductions() (as upstream's
+            # loops may call it, its hooks having copied the gradients during backward) gathers them first.
+            p.register_post_accumulate_grad_hook(self._mark_pending)
         if self._verbose:
             print(
                 f"DistributedFusedLAMB rank {self._rank}: {len(params)} params, {total} elements, "
@@ -253,6 +269,27 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         """The global L2 norm of the last step's averaged (still loss-scaled) gradients, a device tensor."""
         return self._L2_grad_norm
 
+    def _mark_pending(self, param) -> None:
+        self._pending = True
+
+    def _lazy_init_stage1(self):
+        """Upstream's first half of a lazy initialization before backward; everything is built at construction."""
+
+    def _lazy_init_stage2(self):
+        """After backward (upstream's second half of the lazy initialization): gathers the new gradients."""
+        if self._pending:
+            self._gather_grads()
+
+    @torch.no_grad()
+    def _gather_grads(self) -> None:
+        self._flat_grads.zero_()
+        for p, offset in zip(self._model_params, self._offsets):
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError("DistributedFusedLAMB does not support sparse gradients")
+                self._flat_grads[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        self._pending, self._gathered = False, True
+
     def set_is_accumulation_step(self, is_accumulation_step):
         self._is_accumulation_step = is_accumulation_step
 
@@ -260,17 +297,21 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         self._last_step = last_step
 
     def zero_grad(self, set_to_none: bool = True):
+        """Clears ``.grad``; gradients written by a backward since the last gather are gathered first, so a
+        following ``complete_reductions()``/``step()`` still sees them (upstream's hooks had copied them)."""
+        if self._pending and not self._is_accumulation_step:
+            self._gather_grads()
         super().zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
     def complete_reductions(self):
-        """Reduce-scatter the averaged gradients and compute their global norm (once per step)."""
-        self._flat_grads.zero_()
-        for p, offset in zip(self._model_params, self._offsets):
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise RuntimeError("DistributedFusedLAMB does not support sparse gradients")
-                self._flat_grads[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        """Reduce-scatter the averaged gradients and compute their global norm (once per step: a second
+        call before ``step`` with no backward in between does nothing)."""
+        if self._reduced and not self._pending:
+            return
+        if self._pending or not self._gathered:  # gradients assigned directly, or new since the last gather
+            self._gather_grads()
+        self._gathered = False
         self._flat_grads.div_(self._world_size)
         _reduce_scatter(self._shard_grads, self._flat_grads)
         norm_sq = self._shard_grads.float().square().sum().reshape(1)
@@ -295,6 +336,21 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             return scale.detach().reshape(1).to(device=self._device, dtype=torch.float32)
         return torch.full((1,), float(scale), dtype=torch.float32, device=self._device)
 
+    def _fragments_by_lr(self):
+        """(learning rate, indices of the fragments that take it): upstream's ``_lr`` for all when assigned,
+        else each group's lr."""
+        if self._lr is not None:
+            return [(self._lr, list(range(len(self._fragments))))]
+        by_lr: dict[float, list[int]] = {}
+        for k, (i, _, _) in enumerate(self._fragments):
+            by_lr.setdefault(self.param_groups[self._param_groups_of[i]]["lr"], []).append(k)
+        return list(by_lr.items())
+
+    def _lr_tensor(self, lr) -> torch.Tensor:
+        if isinstance(lr, torch.Tensor):
+            return lr.detach().reshape(1).to(device=self._device, dtype=torch.float32)
+        return torch.full((1,), float(lr), dtype=torch.float32, device=self._device)
+
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
         """One LAMB step on the gradients of all ranks (see the class docstring)."""
@@ -312,7 +368,6 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         scale = self._scale_tensor(grad_scaler)
         views = self._shard_views
         if self._fragments:
-            group_of = [self.param_groups[self._param_groups_of[i]] for i, _, _ in self._fragments]
             beta1 = self._per_fragment(lambda g: g["betas"][0])
             _ops.lamb_compute_update_term(
                 self._overflow_buf,
@@ -337,9 +392,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         update_norms = self._norms(self._fp32_u)
         if self._fragments:
             decay = self._per_fragment(lambda g: g["weight_decay"])
-            lrs = [g["lr"] for g in group_of]
-            for lr in dict.fromkeys(lrs):  # one call per distinct lr
-                chosen = [k for k, value in enumerate(lrs) if value == lr]
+            for lr, chosen in self._fragments_by_lr():
                 index = torch.tensor(chosen, dtype=torch.int64, device=self._device)
                 _ops.lamb_update_weights(
                     self._overflow_buf,
@@ -349,7 +402,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                     param_norms.index_select(0, self._fragment_param.index_select(0, index)),
                     update_norms,
                     self._fragment_param.index_select(0, index),
-                    torch.full((1,), float(lr), dtype=torch.float32, device=self._device),
+                    self._lr_tensor(lr),
                     decay.index_select(0, index),
                     norm,
                     self._use_nvlamb,
