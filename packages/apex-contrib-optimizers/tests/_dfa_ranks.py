@@ -14,6 +14,7 @@ Two models:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -504,6 +505,14 @@ def overlap_worker(rank: int, world: int):
         with context:
             model(probe_grads(0, 0, rank)).backward()
         started = sum(b.grad_sync is not None or b.grads_shard is not None for b in optimizer._buckets)
+        if case == "no_sync":  # a pass after no_sync: each bucket reduced once, as soon as it fills
+            launches = []
+            start = optimizer._start_grad_sync
+            optimizer._start_grad_sync = functools.partial(_record_launch, launches, start)
+            model(probe_grads(0, 1, rank)).backward()
+            out["after_no_sync_launches"] = launches
+            with pytest_raises(NotImplementedError, "add_param_group"):
+                optimizer.add_param_group(dict(params=[torch.nn.Parameter(torch.ones(3))]))
         norm = optimizer.grad_norm().item()
         optimizer.zero_grad()
         out[case] = dict(
@@ -513,6 +522,21 @@ def overlap_worker(rank: int, world: int):
             norm_after_zero_grad=optimizer.grad_norm().item(),
         )
     return out
+
+
+def _record_launch(launches: list, start, bucket) -> None:
+    launches.append(bucket.index)
+    start(bucket)
+
+
+@contextlib.contextmanager
+def pytest_raises(kind, words: str):
+    try:
+        yield
+    except kind as error:
+        assert words in str(error), str(error)
+    else:
+        raise AssertionError(f"no {kind.__name__} raised")
 
 
 # everything one world size runs, in one set of processes (starting ranks is the slow part) ----------

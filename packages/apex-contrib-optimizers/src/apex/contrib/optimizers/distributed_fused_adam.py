@@ -283,6 +283,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # --- construction -------------------------------------------------------------------------
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_buckets", None) is not None:
+            raise NotImplementedError(
+                "DistributedFusedAdam.add_param_group: the buckets are laid out at construction; "
+                "pass every parameter group to the constructor"
+            )
+        super().add_param_group(param_group)
+
     def _check_params(self, name: str) -> None:
         self._ordered_params: list[torch.Tensor] = []
         self._group_of: dict[torch.Tensor, int] = {}
@@ -389,7 +397,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             for f in bucket.fragments:
                 if f.param is param:
                     local[slice(*f.bucket_range)].add_(flat[slice(*f.param_range)])
-            bucket.grads_ready.add(param)
+            if self._grad_sync_enabled:  # under no_sync a pass does not count towards a full bucket
+                bucket.grads_ready.add(param)
         param.grad = None
         if self.overlap_grad_sync and self._grad_sync_enabled:
             for bucket in self._param_buckets[param]:
@@ -452,8 +461,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._grad_sync_enabled = previous
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all gradients (local buckets and reduced shards) and any clipping/unscaling factor."""
-        self.param_sync()
+        """Drop all gradients (local buckets and reduced shards) and any clipping/unscaling factor.
+        ``set_to_none`` is taken for torch's signature: the gradients live in the optimizer's buffers,
+        which are dropped either way, and ``param.grad`` is set to None."""
         while self._grad_syncs_in_flight:
             self._finish_grad_sync(self._grad_syncs_in_flight[0])
         for bucket in self._buckets:
