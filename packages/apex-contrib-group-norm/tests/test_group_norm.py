@@ -17,6 +17,7 @@ from apex.contrib.group_norm import (
     cuda_group_norm_nhwc_one_pass,
     cuda_group_norm_nhwc_two_pass,
     cuda_group_norm_v2_nhwc,
+    get_cc_and_sm_count,
     group_norm_nhwc_bprop,
     group_norm_nhwc_fprop,
     torch_group_norm,
@@ -190,6 +191,17 @@ def test_other_dtype_pairs_take_the_pytorch_path(device, monkeypatch, x_dtype, p
     y = module(x)
     assert y.dtype == x_dtype
     torch.testing.assert_close(y, expected)
+
+
+def test_check_legality_tells_which_path_runs(device):
+    module = make_module(16, 4, "silu", torch.bfloat16, device)
+    x = random_input((2, 16, 3, 3), torch.bfloat16, device)
+    assert module._check_legality(x)
+    assert not module._check_legality(x.contiguous())
+    assert not module._check_legality(x.double())
+    half = make_module(16, 4, "silu", torch.float16, device)
+    assert not half._check_legality(x)  # bfloat16 input, float16 parameters
+    assert not module._check_v2_legality(x.contiguous()) or device == "cuda"
 
 
 def test_float64_input_takes_the_pytorch_path(device):
@@ -428,6 +440,25 @@ def test_torch_compile_fullgraph(device):
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.slow
+def test_compiles_in_a_model_without_graph_breaks(device):
+    # upstream's inductor test, smaller: GroupNorm + SiLU feeding a convolution, one graph
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        GroupNorm(8, 32, act="silu"), torch.nn.Conv2d(32, 32, kernel_size=3, padding="same")
+    ).to(device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = random_input((2, 32, 8, 8), torch.float32, device).requires_grad_()
+    dy = torch.randn(2, 32, 8, 8, device=device)
+    results = []
+    for fn in (model, compiled):
+        y = fn(x)
+        results.append((y.detach(), *torch.autograd.grad(y, (x, *model.parameters()), dy)))
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
 # CUDA: the kernel ------------------------------------------------------------------------------------
 
 
@@ -435,6 +466,18 @@ def test_torch_compile_fullgraph(device):
 def test_cuda_kernel_is_loaded():
     status = loader.load(KERNELS)
     assert status.has_kernels, f"{KERNELS.name}: tier {status.tier} ({status.reason})"
+
+
+@pytest.mark.gpu
+def test_cuda_autograd_is_the_cpp_one():
+    # the AutogradCUDA kernel (csrc/group_norm_autograd.cpp), not the Python registration
+    module = make_module(16, 4, "silu", torch.bfloat16, "cuda")
+    y = module(random_input((2, 16, 3, 3), torch.bfloat16, "cuda").requires_grad_())
+    node = y.grad_fn.next_functions[0][0]  # past the movedim view
+    assert "GroupNormForward" in node.name(), node.name()
+    cc, sm_count = get_cc_and_sm_count(0)
+    props = torch.cuda.get_device_properties(0)
+    assert (cc, sm_count) == ((props.major, props.minor), props.multi_processor_count)
 
 
 def _check_op_against_float64(x_nhwc, w, b, groups, act, dy=None, scale=4.0):

@@ -9,6 +9,7 @@ kernel for CUDA tensors, the PyTorch reference elsewhere (the CPU too).
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -32,6 +33,13 @@ def _normalize_act(act, where: str) -> str:
     if not isinstance(act, str) or act.lower() not in _ops.ACTIVATIONS:
         raise ValueError(f"{where}: act must be one of None, '', 'silu', 'swish' (any case), got {act!r}")
     return act.lower()
+
+
+@functools.cache
+def get_cc_and_sm_count(device_index: int):
+    """((major, minor) compute capability, multiprocessor count) of a CUDA device, as upstream's."""
+    props = torch.cuda.get_device_properties(device_index)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 def _channels_last_view(x: Tensor) -> Tensor:
@@ -242,6 +250,28 @@ class GroupNorm(torch.nn.Module):
         )
     )
     SUPPORTED_GROUPS = frozenset([16, 32])
+    # Where upstream's v2 (Blackwell) kernels applied; read by _check_v2_legality only.
+    GN_V2_SUPPORTED_CHANNELS = frozenset(
+        [
+            (64, 1280),
+            (64, 2560),
+            (256, 640),
+            (256, 1280),
+            (256, 1920),
+            (256, 2560),
+            (1024, 320),
+            (1024, 640),
+            (1024, 960),
+            (1024, 1280),
+            (1024, 1920),
+            (4096, 320),
+            (4096, 640),
+            (4096, 960),
+        ]
+    )
+    GN_V2_SUPPORTED_DTYPES = frozenset([(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
+    GN_V2_SUPPORTED_GROUPS_SWISH = frozenset([(16, True), (32, False)])
+    GN_V2_SUPPORTED_LOWER_BOUND_SM_COUNT: ClassVar[dict] = {(10, 0): 148}
     # The (input, parameter) dtype pairs of our fused path.
     SUPPORTED_DTYPES = frozenset(
         [(dtype, dtype) for dtype in checks.FLOAT_DTYPES]
@@ -280,6 +310,25 @@ class GroupNorm(torch.nn.Module):
         if self.affine:
             init.ones_(self.weight)
             init.zeros_(self.bias)
+
+    def _check_legality(self, input: Tensor) -> bool:
+        """Whether ``input`` takes the fused op (upstream's name; see the class docstring for the rule)."""
+        return _kernel_takes(input, self.weight, self.bias)
+
+    def _check_v2_legality(self, input: Tensor) -> bool:
+        """Whether upstream would have picked its Blackwell (v2) kernel for ``input``: kept for code that
+        asks; here one kernel serves every input that :meth:`_check_legality` accepts."""
+        if input.dim() != 4 or not input.is_cuda or not self.affine:
+            return False
+        cc, sm_count = get_cc_and_sm_count(input.device.index)
+        bound = self.GN_V2_SUPPORTED_LOWER_BOUND_SM_COUNT.get(cc)
+        return (
+            (input.shape[2] * input.shape[3], self.num_channels) in self.GN_V2_SUPPORTED_CHANNELS
+            and (self.num_groups, self.act in ("silu", "swish")) in self.GN_V2_SUPPORTED_GROUPS_SWISH
+            and (input.dtype, self.weight.dtype) in self.GN_V2_SUPPORTED_DTYPES
+            and bound is not None
+            and sm_count >= bound
+        )
 
     def forward(self, input: Tensor) -> Tensor:
         act = _normalize_act(self.act, "GroupNorm")
