@@ -102,8 +102,9 @@ def test_dynamic_scale_skips_overflowing_steps_and_lowers_the_scale(device, caps
     for before, p in zip(model_before, params):
         assert torch.equal(before, p.detach())
     assert all(not s for s in opt.state.values())
+    assert (opt.last_overflow_iter, opt.scale_factor, opt.scale_window) == (0, 2.0, 1000)  # upstream's attributes
     # A small loss fits: the step is taken, the scale stays until scale_window clean steps.
-    opt.loss_scaler.scale_window = 2
+    opt.scale_window = 2
     opt.zero_grad()
     opt.backward(loss_of(model, *batch(device)) * 1e-3)
     opt.step()
@@ -149,5 +150,7 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match=r"init_optimizer must be a torch.optim.Optimizer"):
         FP16_Optimizer(model.parameters())
     opt = FP16_Optimizer(FusedAdam(model.parameters()), verbose=False)
+    with pytest.raises(AttributeError, match="static loss scale has no attribute 'scale_window'"):
+        opt.scale_window  # noqa: B018
     with pytest.raises(NotImplementedError, match="closure"):
         opt.step(closure=lambda: 0.0)

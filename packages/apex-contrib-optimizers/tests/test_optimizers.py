@@ -115,6 +115,25 @@ def test_scale_and_max_grad_norm_are_folded_in(device, eps_inside_sqrt, clipped)
         assert_close(master, expected, torch.float32)
 
 
+def test_amp_stash_hands_the_legacy_arguments_over(device):
+    # An amp that stashes the fp16 gradients, outputs and scale: the step takes them, the scale times
+    # amp_scale_adjustment.
+    from types import SimpleNamespace
+
+    masters = make_params(torch.float32, device, [(33,), (7, 3)])
+    outputs = [torch.empty_like(p, dtype=torch.float16) for p in masters]
+    ref = ContribAdam(masters, weight_decay=0.0, eps_inside_sqrt=False, **ADAM)
+    opt = FusedAdam(masters, amp_scale_adjustment=2.0, **ADAM)
+    grads = make_grads(masters, dtype=torch.float16)
+    opt._amp_stash = SimpleNamespace(grads=[[g * 16 for g in grads]], output_params=[outputs], scale=8.0,
+                                     grad_norms=None)  # fmt: skip
+    opt.step()
+    ref.step(grads)
+    for master, out, expected in zip(masters, outputs, ref.p):
+        assert_close(master, expected, torch.float32)
+        assert torch.equal(out, master.detach().half())
+
+
 def test_fused_adam_skips_params_without_grads(device):
     params = make_params(torch.float32, device, [(5,), (6,)])
     before = params[1].detach().clone()

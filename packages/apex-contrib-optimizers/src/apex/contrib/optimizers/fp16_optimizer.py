@@ -10,6 +10,24 @@ _CHUNK_SIZE = 65536
 _DYNAMIC_INIT_SCALE = 2.0**16
 
 
+def _dynamic_scaling_attribute(name: str) -> property:
+    """Upstream's attribute of dynamic scaling (absent with a static scale), kept by the scaler."""
+
+    def check(self):
+        if not self.dynamic_loss_scale:
+            raise AttributeError(f"'FP16_Optimizer' with a static loss scale has no attribute '{name}'")
+
+    def get(self):
+        check(self)
+        return getattr(self.loss_scaler, name)
+
+    def set_(self, value):
+        check(self)
+        setattr(self.loss_scaler, name, value)
+
+    return property(get, set_)
+
+
 class FP16_Optimizer:
     """Wraps :class:`apex.contrib.optimizers.FusedAdam` or :class:`FusedSGD` built on a half-precision
     model (upstream: "only works with apex.contrib.optimizers.*").
@@ -86,6 +104,10 @@ class FP16_Optimizer:
             self.loss_scaler.cur_iter = value
         else:
             self._static_iter = value
+
+    last_overflow_iter = _dynamic_scaling_attribute("last_overflow_iter")
+    scale_factor = _dynamic_scaling_attribute("scale_factor")
+    scale_window = _dynamic_scaling_attribute("scale_window")
 
     def zero_grad(self, set_grads_to_None=True):
         """Clears the model's gradients (to None by default, as upstream)."""
