@@ -99,8 +99,9 @@ def test_channel_groups_of_the_conv_net():
     groups = group_names(ConvNet())
     assert (["conv1", "conv2"], ["conv2", "conv3"], ["bn1", "bn2"], False) in groups
     assert ([], ["conv1"], [], True) in groups  # reads the model input
-    assert (["conv3"], [], [], True) in groups  # flattened
-    assert ([], ["fc"], [], True) in groups
+    # pooled to 1x1 and flattened: the channels reach fc in the same order
+    assert (["conv3"], ["fc"], [], False) in groups
+    assert (["fc"], [], [], True) in groups  # the model's output
 
 
 def test_channel_groups_of_the_mlp():
@@ -111,7 +112,7 @@ def test_channel_groups_of_the_mlp():
 
 @pytest.mark.parametrize(
     ("make", "x_shape", "pruned"),
-    [(ConvNet, (2, 8, 6, 6), ["conv2", "conv3"]), (MLP, (5, 16), ["fc2", "fc3", "out"])],
+    [(ConvNet, (2, 8, 6, 6), ["conv2", "conv3", "fc"]), (MLP, (5, 16), ["fc2", "fc3", "out"])],
 )
 def test_permuted_model_computes_the_same_and_keeps_more(device, make, x_shape, pruned):
     # TF32 rounds the products to 10 bits: reordered sums would then differ by far more than fp32's
@@ -139,6 +140,46 @@ def check_permuted_model(device, make, x_shape, pruned):
     for name, weight in weights_before.items():
         now = getattr(model, name).weight.detach()
         assert torch.equal(now.flatten().sort().values, weight.flatten().sort().values)
+
+
+class Flattening(torch.nn.Module):
+    """Three ways to flatten: a 1x1 map (permutable), a 2x2 map (not: 4 features per channel)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.conv = torch.nn.Conv2d(4, 16, 3, padding=1)
+        self.flatten = torch.nn.Flatten()
+        self.pool = torch.nn.AdaptiveAvgPool2d(1 if how != "2x2" else 2)
+        self.fc = torch.nn.Linear(16 if how != "2x2" else 64, 8)
+
+    def forward(self, x):
+        y = self.pool(torch.relu(self.conv(x)))
+        if self.how == "view":
+            y = y.view(y.size(0), -1)
+        elif self.how == "module":
+            y = self.flatten(y)
+        else:
+            y = torch.flatten(y, 1)
+        return self.fc(y)
+
+
+@pytest.mark.parametrize("how", ["view", "module", "function", "2x2"])
+def test_flatten_between_conv_and_linear(how):
+    torch.manual_seed(9)
+    model = Flattening(how).eval()
+    x = torch.randn(2, 4, 6, 6)
+    expected = model(x)
+    weight = model.fc.weight.detach().clone()
+    assert Permutation.permute_model(model)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    permuted_in_c, _, unpermuted = Permutation.get_permutation_stats()
+    if how == "2x2":
+        assert torch.equal(model.fc.weight.detach(), weight)
+        assert any("disagree on the channel count ([16, 64])" in entry for entry in unpermuted)
+    else:
+        assert permuted_in_c == ["fc.weight"]
+        assert not torch.equal(model.fc.weight.detach(), weight)
 
 
 def test_asp_with_permutation_keeps_at_least_the_unpermuted_magnitude():

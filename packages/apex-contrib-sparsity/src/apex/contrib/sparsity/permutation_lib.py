@@ -10,7 +10,8 @@ LayerNorm) reordered too.
 
 :meth:`Permutation.permute_model` finds these sets with ``torch.fx.symbolic_trace``: a "channel
 group" is a set of tensors joined by channel-preserving operations (activations, dropout,
-pooling, BatchNorm/LayerNorm, element-wise sums and products of two such tensors), together with
+pooling, BatchNorm/LayerNorm, element-wise sums and products of two such tensors, a flatten of a
+1 x 1 map), together with
 the Linear/Conv layers (``groups=1``) producing them and reading them. A group is permuted only
 when it is closed: every tensor of it comes from a Linear/Conv layer, and every use of one is a
 channel-preserving operation or a Linear/Conv layer reading it (not the model's output, a
@@ -28,11 +29,15 @@ generator seeded by :meth:`set_identical_seed` instead of reseeding the global o
 BatchNorm1d is treated as per-channel only after Conv1d layers (after a Linear its input may be
 ``[N, L, C]``, where it would not be), LayerNorm only over one last dimension after Linear layers.
 
+A flatten of all dimensions after the batch one (``torch.flatten(x, 1)``, ``nn.Flatten()``,
+``x.view(n, -1)``, ``x.reshape(n, -1)``) passes the channels on when the flattened map is 1 x 1
+(after global pooling): the group's layers must then all agree on the channel count, which they
+do only in that case.
+
 Not handled (the group is left unpermuted, and says why with verbosity >= 2 or in
-:meth:`Permutation.get_permutation_stats`): ``torch.cat`` of channel groups, flatten/reshape/view
-between layers, grouped and depthwise convolutions, MultiheadAttention's inner projections,
-GroupNorm/InstanceNorm, and any function not listed below. Upstream permutes through
-concatenations and some flattens; ours is more conservative.
+:meth:`Permutation.get_permutation_stats`): ``torch.cat`` of channel groups, other reshapes,
+grouped and depthwise convolutions, MultiheadAttention's inner projections, GroupNorm and
+InstanceNorm, and any function not listed below. Upstream also permutes through concatenations.
 
 Called without ASP (no :meth:`Permutation.set_permutation_params_from_asp`), every Linear/Conv
 reading a group steers the search; with ASP, only the weights ASP prunes.
@@ -168,8 +173,40 @@ def _is_channel_layer(module) -> bool:
     return isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)) and module.groups == 1
 
 
-def _layout(module) -> str:
-    return "linear" if isinstance(module, torch.nn.Linear) else "conv"
+# Where a tensor's channels are: "conv", dimension 1 of an N-D activation (a Conv's output);
+# "flat", dimension 1 of a 2-D [N, C] tensor (a flattened one); "last", the last dimension of a
+# tensor of unknown rank (a Linear's output).
+def _output_layout(module) -> str:
+    return "last" if isinstance(module, torch.nn.Linear) else "conv"
+
+
+def _input_layouts(module) -> set[str]:
+    """The layouts of an input whose channels the module's parameters follow."""
+    if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)):
+        return {"last", "flat"}
+    if isinstance(module, torch.nn.BatchNorm1d):
+        return {"conv", "flat"}
+    return {"conv"}
+
+
+def _flattens_channels(node: torch.fx.Node, module=None) -> bool:
+    """Whether the node flattens all dimensions after the first (batch) one: ``torch.flatten(x, 1)``,
+    ``x.flatten(1)``, ``nn.Flatten()``, ``x.view(n, -1)``, ``x.reshape(n, -1)``. The channel
+    order survives only where the dimensions after the channels have size 1; the channel-count
+    check of the group (every layer agrees on C) guarantees that."""
+    if module is not None:
+        return isinstance(module, torch.nn.Flatten) and module.start_dim == 1 and module.end_dim == -1
+    args, kwargs = node.args, node.kwargs
+    if (node.op == "call_function" and node.target is torch.flatten) or (
+        node.op == "call_method" and node.target == "flatten"
+    ):
+        start = args[1] if len(args) > 1 else kwargs.get("start_dim", 0)
+        end = args[2] if len(args) > 2 else kwargs.get("end_dim", -1)
+        return start == 1 and end == -1
+    if node.op == "call_method" and node.target in ("view", "reshape") and not kwargs:
+        sizes = args[1:] if len(args) != 2 else (args[1] if isinstance(args[1], (tuple, list)) else (args[1],))
+        return len(sizes) == 2 and sizes[1] == -1
+    return False
 
 
 class _Group:
@@ -180,14 +217,12 @@ class _Group:
         self.producers: dict[int, tuple[str, torch.nn.Module]] = {}
         self.consumers: dict[int, tuple[str, torch.nn.Module]] = {}
         self.per_channel: dict[int, tuple[str, torch.nn.Module]] = {}
-        self.layouts: set[str] = set()
         self.blocked: list[str] = []
 
     def absorb(self, other: _Group) -> None:
         self.producers.update(other.producers)
         self.consumers.update(other.consumers)
         self.per_channel.update(other.per_channel)
-        self.layouts |= other.layouts
         self.blocked += other.blocked
 
 
@@ -236,65 +271,77 @@ def find_channel_groups(traced: torch.fx.GraphModule) -> list[_Group]:
     """The channel groups of a traced model (closed or not; ``blocked`` says why not)."""
     groups = _Groups()
     group_of: dict[torch.fx.Node, int] = {}
+    layout_of: dict[torch.fx.Node, str] = {}
     metadata: set[torch.fx.Node] = set()
+
+    def new(node: torch.fx.Node, reason: str | None, layout: str = "unknown") -> int:
+        group_of[node] = groups.new(reason)
+        layout_of[node] = layout
+        return group_of[node]
 
     def block_inputs(node: torch.fx.Node, reason: str) -> None:
         for arg in _nodes_in((node.args, node.kwargs)):
             if arg in group_of:
                 groups.get(group_of[arg]).blocked.append(f"{reason} ({node.format_node()})")
 
-    def pass_through(node: torch.fx.Node, tensors: list[torch.fx.Node]) -> int | None:
+    def pass_through(node: torch.fx.Node, tensors: list[torch.fx.Node], allowed=None, output=None) -> int | None:
+        """The node's output joins its inputs' group (all of them, for a binary operation); the
+        inputs' layouts must agree and be in ``allowed``; the output has layout ``output``
+        (default: the inputs')."""
         tracked = [t for t in tensors if t in group_of]
         if not tracked:
-            group_of[node] = groups.new(f"made from untracked values ({node.format_node()})")
+            new(node, f"made from untracked values ({node.format_node()})")
             return None
         index = group_of[tracked[0]]
         for other in tracked[1:]:
             index = groups.union(index, group_of[other])
+        layouts = {layout_of[t] for t in tracked}
+        layout = layouts.pop() if len(layouts) == 1 else "mixed"
+        if layout == "mixed" or (allowed is not None and layout not in allowed):
+            groups.get(index).blocked.append(f"met in an unsupported layout ({layout}) by {node.format_node()}")
         group_of[node] = index
+        layout_of[node] = output or layout
         return index
+
+    def per_channel(node: torch.fx.Node, module, inputs) -> None:
+        index = pass_through(node, inputs, allowed=_input_layouts(module))
+        if index is not None:
+            groups.get(index).per_channel[id(module)] = (node.target, module)
 
     for node in traced.graph.nodes:
         if node.op == "placeholder":
-            group_of[node] = groups.new(f"a model input ({node.name})")
+            new(node, f"a model input ({node.name})")
         elif node.op == "get_attr":
-            group_of[node] = groups.new(f"a tensor attribute ({node.target})")
+            new(node, f"a tensor attribute ({node.target})")
         elif node.op == "output":
             block_inputs(node, "the model's output")
         elif node.op == "call_module":
             module = traced.get_submodule(node.target)
             inputs = [n for n in _nodes_in((node.args, node.kwargs)) if n not in metadata]
-            if _is_channel_layer(module) and len(inputs) == 1:
-                if inputs[0] in group_of:
-                    group = groups.get(group_of[inputs[0]])
-                    group.consumers[id(module)] = (node.target, module)
-                    group.layouts.add(_layout(module))
-                index = groups.new()
+            if len(inputs) != 1:
+                block_inputs(node, f"read by {type(module).__name__} with several inputs")
+                new(node, f"made by {type(module).__name__} ({node.target})")
+            elif _is_channel_layer(module):
+                source = inputs[0]
+                group = groups.get(group_of[source])
+                group.consumers[id(module)] = (node.target, module)
+                if layout_of[source] not in _input_layouts(module):
+                    group.blocked.append(f"read by {node.target} in an unsupported layout ({layout_of[source]})")
+                index = new(node, None, _output_layout(module))
                 groups.get(index).producers[id(module)] = (node.target, module)
-                groups.get(index).layouts.add(_layout(module))
-                group_of[node] = index
-            elif isinstance(module, _ELEMENTWISE_MODULES) and len(inputs) == 1:
+            elif isinstance(module, _ELEMENTWISE_MODULES):
                 pass_through(node, inputs)
-            elif isinstance(module, _POOLING_MODULES) and len(inputs) == 1:
-                index = pass_through(node, inputs)
-                if index is not None:
-                    groups.get(index).layouts.add("conv")
-            elif (
-                isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d))
-                and len(inputs) == 1
-            ):
-                index = pass_through(node, inputs)
-                if index is not None:
-                    groups.get(index).per_channel[id(module)] = (node.target, module)
-                    groups.get(index).layouts.add("conv")
-            elif isinstance(module, torch.nn.LayerNorm) and len(module.normalized_shape) == 1 and len(inputs) == 1:
-                index = pass_through(node, inputs)
-                if index is not None:
-                    groups.get(index).per_channel[id(module)] = (node.target, module)
-                    groups.get(index).layouts.add("linear")
+            elif isinstance(module, _POOLING_MODULES):
+                pass_through(node, inputs, allowed={"conv"})
+            elif isinstance(module, (torch.nn.BatchNorm1d, torch.nn.BatchNorm2d, torch.nn.BatchNorm3d)):
+                per_channel(node, module, inputs)
+            elif isinstance(module, torch.nn.LayerNorm) and len(module.normalized_shape) == 1:
+                per_channel(node, module, inputs)
+            elif _flattens_channels(node, module):
+                pass_through(node, inputs, allowed={"conv", "flat"}, output="flat")
             else:
                 block_inputs(node, f"read by {type(module).__name__}")
-                group_of[node] = groups.new(f"made by {type(module).__name__} ({node.target})")
+                new(node, f"made by {type(module).__name__} ({node.target})")
         else:  # call_function, call_method
             target = node.target
             inputs = [n for n in _nodes_in((node.args, node.kwargs)) if n not in metadata]
@@ -308,16 +355,16 @@ def find_channel_groups(traced: torch.fx.GraphModule) -> list[_Group]:
                     pass_through(node, inputs)
                 else:
                     block_inputs(node, "an element-wise function of several tensors")
-                    group_of[node] = groups.new(f"made by {node.format_node()}")
+                    new(node, f"made by {node.format_node()}")
             elif (is_method and target in _BINARY_METHODS) or (not is_method and target in _BINARY_FUNCTIONS):
                 pass_through(node, inputs)
             elif not is_method and target in _POOLING_FUNCTIONS and len(inputs) == 1:
-                index = pass_through(node, inputs)
-                if index is not None:
-                    groups.get(index).layouts.add("conv")
+                pass_through(node, inputs, allowed={"conv"})
+            elif len(inputs) == 1 and _flattens_channels(node):
+                pass_through(node, inputs, allowed={"conv", "flat"}, output="flat")
             else:
                 block_inputs(node, "read by an operation that may mix channels")
-                group_of[node] = groups.new(f"made by {node.format_node()}")
+                new(node, f"made by {node.format_node()}")
     return groups.roots()
 
 
@@ -327,8 +374,6 @@ def _check_group(group: _Group, sparse: set[int] | None) -> tuple[str | None, in
         return "its channels " + "; ".join(dict.fromkeys(group.blocked)), 0
     if not group.consumers:
         return "no layer reads it", 0
-    if len(group.layouts) != 1:
-        return "it mixes Linear and Conv layouts (or a per-channel layer of the other layout)", 0
     channels = {int(m.weight.shape[0]) for _, m in group.producers.values()}
     channels |= {int(m.weight.shape[1]) for _, m in group.consumers.values()}
     for _, module in group.per_channel.values():
