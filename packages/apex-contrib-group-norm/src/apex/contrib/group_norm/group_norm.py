@@ -51,7 +51,7 @@ def is_channels_last(x: Tensor) -> bool:
     """Whether ``x`` ``(N, C, *spatial)`` is laid out channels-last: its memory is ``(N, *spatial, C)`` in
     order (for 4-D input ``x.is_contiguous(memory_format=torch.channels_last)``, for 5-D
     ``torch.channels_last_3d``; a 2-D ``(N, C)`` contiguous tensor is too)."""
-    if x.dim() == 4:  # the common case, without making a view (host time per call)
+    if x.dim() == 4 and x.numel():  # the common case, without making a view (host time per call)
         return x.is_contiguous(memory_format=torch.channels_last)
     return x.dim() >= 2 and _channels_last_view(x).is_contiguous()
 
