@@ -276,3 +276,15 @@ def test_permutation_stats():
     assert set(permuted_in_c) == {"fc1.weight", "fc2.weight"}
     assert set(permuted_in_k) == {"narrow.weight", "narrow.bias", "fc1.weight", "fc1.bias"}
     assert any("conv" in entry and "model input" in entry for entry in unpermuted)
+
+
+def test_wrapped_model_is_permuted_inside_the_wrapper():
+    model = Net()
+    wrapped = torch.nn.DataParallel(model)  # on the CPU it only forwards to the module
+    Permutation.set_search_options({"strategy": "channel_swap", "escape_attempts": 2})
+    ASP.init_model_for_pruning(wrapped, verbosity=0)
+    assert "module.fc1.__weight_mma_mask" in wrapped.state_dict()
+    ASP.compute_sparse_masks()
+    permuted_in_c, _, _ = Permutation.get_permutation_stats()
+    assert set(permuted_in_c) == {"fc1.weight", "fc2.weight"}
+    assert is_2_of_4(model.fc1.weight) and ASP.is_sparsity_enabled()

@@ -182,6 +182,68 @@ def test_flatten_between_conv_and_linear(how):
         assert not torch.equal(model.fc.weight.detach(), weight)
 
 
+class Bottleneck(torch.nn.Module):
+    def __init__(self, channels: int, width: int, downsample: bool):
+        super().__init__()
+        inputs = channels // 2 if downsample else channels
+        self.conv1 = torch.nn.Conv2d(inputs, width, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(width)
+        self.conv2 = torch.nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(width)
+        self.conv3 = torch.nn.Conv2d(width, channels, 1, bias=False)
+        self.bn3 = torch.nn.BatchNorm2d(channels)
+        self.downsample = (
+            torch.nn.Sequential(torch.nn.Conv2d(inputs, channels, 1, bias=False), torch.nn.BatchNorm2d(channels))
+            if downsample
+            else None
+        )
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        y = torch.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        identity = self.downsample(x) if self.downsample is not None else x
+        return torch.relu(y + identity)
+
+
+class TinyResNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.layer = torch.nn.Sequential(Bottleneck(32, 16, True), Bottleneck(32, 16, False))
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+        self.fc = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.layer(torch.relu(self.stem(x)))), 1))
+
+
+def test_residual_stream_of_a_resnet_stage(device):
+    torch.manual_seed(10)
+    model = randomize_norms(TinyResNet()).to(device)
+    groups = group_names(model)
+    # the residual stream: both blocks' conv3, the downsample, read by block 2's conv1 and the fc
+    stream = (
+        ["layer.0.conv3", "layer.0.downsample.0", "layer.1.conv3"],
+        ["fc", "layer.1.conv1"],
+        ["layer.0.bn3", "layer.0.downsample.1", "layer.1.bn3"],
+        False,
+    )
+    assert stream in groups
+    x = torch.randn(2, 3, 8, 8, device=device)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+            expected = model(x)
+            assert Permutation.permute_model(model)
+            torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    permuted_in_c, _, _ = Permutation.get_permutation_stats()
+    assert {"fc.weight", "layer.1.conv1.weight", "layer.0.conv2.weight"} <= set(permuted_in_c)
+
+
 def test_asp_with_permutation_keeps_at_least_the_unpermuted_magnitude():
     torch.manual_seed(2)
     model = randomize_norms(ConvNet())

@@ -69,6 +69,14 @@ def _lookup(table: dict, module_type: type):
     return None
 
 
+def _unwrapped(model):
+    """The module inside a (torch or apex) DistributedDataParallel or DataParallel wrapper."""
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if isinstance(model, wrappers) or type(model).__name__ == "DistributedDataParallel":
+        return model.module
+    return model
+
+
 class _SparseParameter:
     """One pruned parameter: where it lives, and its buffers fetched from the module at each use."""
 
@@ -306,7 +314,7 @@ class ASP:
                     pruned.zero_()
 
             if cls._allow_permutation:
-                model = getattr(cls._model, "module", cls._model)
+                model = _unwrapped(cls._model)
                 start = time.perf_counter()
                 permuted = Permutation.permute_model(
                     model,
