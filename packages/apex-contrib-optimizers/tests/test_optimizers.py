@@ -115,6 +115,21 @@ def test_scale_and_max_grad_norm_are_folded_in(device, eps_inside_sqrt, clipped)
         assert_close(master, expected, torch.float32)
 
 
+def test_max_grad_norm_without_grad_norms_clips_by_the_groups_own_norm(device):
+    params = make_params(torch.float32, device, [(40,), (9, 3)])
+    ref = ContribAdam(params, weight_decay=0.0, eps_inside_sqrt=True, **ADAM)
+    opt = FusedAdam(params, max_grad_norm=0.1, eps_inside_sqrt=True, **ADAM)
+    for _ in range(STEPS):
+        grads = make_grads(params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
+        norm = float(torch.cat([g.reshape(-1).double() for g in grads]).norm())
+        ref.step(grads, divisor=(norm + 1e-6) / 0.1)
+    for p, expected in zip(params, ref.p):
+        assert_close(p, expected, torch.float32)
+
+
 def test_amp_stash_hands_the_legacy_arguments_over(device):
     # An amp that stashes the fp16 gradients, outputs and scale: the step takes them, the scale times
     # amp_scale_adjustment.

@@ -30,6 +30,12 @@ def per_group(values, groups: int, name: str):
     return values
 
 
+def _l2_norm(tensors) -> float:
+    """The L2 norm of all ``tensors`` together (0 for none), in fp32 on the host."""
+    squares = [torch.linalg.vector_norm(t, dtype=torch.float32).square().to("cpu") for t in tensors]
+    return float(torch.stack(squares).sum().sqrt()) if squares else 0.0
+
+
 def check_no_sparse(owner: str, grad: torch.Tensor) -> None:
     if grad.is_sparse:
         raise RuntimeError(f"{owner} does not support sparse gradients, please consider SparseAdam instead")
@@ -54,7 +60,9 @@ class FusedAdam(torch.optim.Optimizer):
     shape) receive the updated parameters rounded to their dtype (fp16 model weights of fp32
     masters) in the same pass; the gradients are divided by ``scale`` (the loss scale) and, when
     ``max_grad_norm > 0`` and the group's ``grad_norms`` entry (the norm of the *scaled* gradients)
-    says the unscaled norm exceeds it, also by ``(norm/scale + 1e-6) / max_grad_norm``.
+    says the unscaled norm exceeds it, also by ``(norm/scale + 1e-6) / max_grad_norm``. Without
+    ``grad_norms`` (a plain ``step()``) that norm is the group's gradients' own (upstream raised a
+    TypeError).
 
     Args:
         params: parameters or parameter groups.
@@ -139,8 +147,10 @@ class FusedAdam(torch.optim.Optimizer):
             self._step_group(group, group_grads, group_outputs, scale, norm)
         return loss
 
-    def _combined_scale(self, group, scale, norm) -> float:
-        if group["max_grad_norm"] > 0 and norm is not None:
+    def _combined_scale(self, group, scale, norm, grads) -> float:
+        if group["max_grad_norm"] > 0:
+            if norm is None:  # upstream failed here (no grad_norms); the group's own gradients' norm
+                norm = _l2_norm(grads)
             clip = (float(norm) / scale + 1e-6) / group["max_grad_norm"]
             if clip > 1:
                 return clip * scale
@@ -153,7 +163,6 @@ class FusedAdam(torch.optim.Optimizer):
         for name, values in (("grads", grads), ("output_params", outputs)):
             if len(values) != len(params):
                 raise ValueError(f"FusedAdam.step: {name} has {len(values)} tensors but the group has {len(params)}")
-        combined_scale = self._combined_scale(group, scale, norm)
         buckets = defaultdict(list)
         for p, grad, out in zip(params, grads, outputs):
             if grad is None:
@@ -172,6 +181,7 @@ class FusedAdam(torch.optim.Optimizer):
             state["step"] += 1
             key = (p.device, p.dtype, grad.dtype, None if out is None else out.dtype, state["step"])
             buckets[key].append((p, grad, out, state))
+        combined_scale = self._combined_scale(group, scale, norm, [g for ms in buckets.values() for _, g, _, _ in ms])
         for (device, p_dtype, g_dtype, _, step), members in buckets.items():
             self._launch(group, device, p_dtype, g_dtype, step, members, combined_scale)
 
