@@ -314,3 +314,21 @@ def test_fused_lamb_signature_and_errors():
     with pytest.raises(RuntimeError, match="AMSGrad"):
         FusedLAMB([torch.nn.Parameter(torch.randn(2))], amsgrad=True)
     assert FusedLAMB([torch.nn.Parameter(torch.randn(2))]).use_nvlamb is False
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("eps_inside_sqrt", [False, True])
+def test_fused_adam_on_the_second_gpu(eps_inside_sqrt):
+    # cuda:0 is current; everything lives on cuda:1 (the loss scale tensor the step makes included).
+    masters = make_params(torch.float32, "cuda:1")
+    outputs = [torch.empty_like(p, dtype=torch.float16) for p in masters]
+    ref = ContribAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    opt = FusedAdam(masters, weight_decay=0.01, eps_inside_sqrt=eps_inside_sqrt, **ADAM)
+    for _ in range(STEPS):
+        grads = make_grads(masters, dtype=torch.float16)
+        opt.step(grads=[g * 64 for g in grads], output_params=outputs, scale=64.0)
+        ref.step(grads)
+    for master, out, expected in zip(masters, outputs, ref.p):
+        assert master.device == torch.device("cuda:1")
+        assert_close(master, expected, torch.float32)
+        assert torch.equal(out, master.detach().half())
