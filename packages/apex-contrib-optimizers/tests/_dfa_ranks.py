@@ -237,24 +237,38 @@ CLIP_CFG = dict(param_dtype=torch.float32, shard=32)
 CLIP_NORM = 3.0  # below the gradients' norm (about 14): every step clips
 
 
+SCALER_CASES = {
+    "fp32": SCALER_CFG,
+    "bf16_fp32_master": PROBES["bf16_params_fp32_master"],
+    "bf16_remainders": PROBES["bf16_params_remainders"],
+    "bf16_state": PROBES["bf16_state"],
+}
+
+
 def scaler_worker(rank: int, world: int):
+    return {name: scaler_case(rank, world, cfg) for name, cfg in SCALER_CASES.items()}
+
+
+def scaler_case(rank: int, world: int, cfg: dict):
     from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
 
-    model = Probe(torch.float32)
-    optimizer = DistributedFusedAdam(
-        model.groups(), betas=BETAS, eps=EPS, device="cpu", **probe_options(SCALER_CFG, world)
-    )
+    model = Probe(cfg["param_dtype"])
+    optimizer = DistributedFusedAdam(model.groups(), betas=BETAS, eps=EPS, device="cpu", **probe_options(cfg, world))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
     scales = []
+    skipped_step_changed = None
     for step in range(4):
         grads = probe_grads(step, 0, rank)
         if step == INF_STEP and rank == INF_RANK:
             grads[2][5] = math.inf
+        before = [p.detach().clone() for p in model.ps]
         scaler.scale(model(grads)).backward()
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
         optimizer.zero_grad()
+        if step == INF_STEP:
+            skipped_step_changed = [i for i, (p, b) in enumerate(zip(model.ps, before)) if not torch.equal(p, b)]
     # scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check
     scaler.scale(model(probe_grads(9, 0, rank))).backward()
     scaler.unscale_(optimizer)
@@ -266,6 +280,7 @@ def scaler_worker(rank: int, world: int):
     return dict(
         params=[p.detach().double().clone() for p in model.ps],
         scales=scales,
+        skipped_step_changed=skipped_step_changed,
         state=optimizer.state_dict(),
         refused=refused,
     )

@@ -130,16 +130,26 @@ def test_mlp_matches_whole_batch_adamw(suite, world, overlap_param_sync):
             torch.testing.assert_close(p, ref[name], rtol=2e-5, atol=2e-6, msg=f"rank {rank} {name}")
 
 
-def test_grad_scaler_skips_the_step_with_an_inf_on_one_rank(suite):
+@pytest.mark.parametrize("case", list(R.SCALER_CASES))
+def test_grad_scaler_skips_the_step_with_an_inf_on_one_rank(suite, case):
     world = 2
-    results = [r["scaler"] for r in suite[world]]
-    ref = R.reference_probe(R.SCALER_CFG, world, steps=4, skip_steps=(R.INF_STEP,))
+    cfg = R.SCALER_CASES[case]
+    results = [r["scaler"][case] for r in suite[world]]
+    ref = R.reference_probe(cfg, world, steps=4, skip_steps=(R.INF_STEP,))
     for rank, out in enumerate(results):
         # the skipped step halves the scale; the others keep it (growth_interval is long)
         assert out["scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9]
         assert out["state"]["state"]["step"] == ref["step"] == 3
+        assert out["skipped_step_changed"] == [], "the skipped step changed parameters"
         for i, (p, master) in enumerate(zip(out["params"], ref["masters"])):
-            torch.testing.assert_close(p, master, **FP32_TOL, msg=f"rank {rank} param {i}")
+            where = f"{case} rank {rank} param {i}"
+            if i == R.FROZEN or p.numel() == 0:
+                continue
+            if cfg.get("master"):
+                torch.testing.assert_close(out["state"]["state"][i]["param"].double(), master, **FP32_TOL, msg=where)
+                torch.testing.assert_close(p, master, **BF16_TOL, msg=where)
+            else:
+                torch.testing.assert_close(p, master, **_tol(cfg), msg=where)
         assert out["refused"] is not None and "unscale_grads" in out["refused"]
 
 

@@ -629,9 +629,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         separate_output = (
             self.store_param_remainders or self.param_sync_dtype != self.dtype or self.dtype != torch.float32
         )
-        output = (
-            torch.zeros(self.shard_size, dtype=self.param_sync_dtype, device=self.device) if separate_output else master
-        )
+        # Starts from the current values: a step skipped on the device (found_inf) leaves it as it is,
+        # and it is all-gathered into the parameters all the same.
+        output = master.to(self.param_sync_dtype, copy=True) if separate_output else master
         bucket.param_gather = (None, output)
         by_group: dict[int, list[_Fragment]] = {}
         for f in fragments:
