@@ -421,6 +421,9 @@ def test_opcheck(device, dtype, act):
         w = torch.randn(12, device=device, dtype=param_dtype) if with_params else None
         b = torch.randn(12, device=device, dtype=param_dtype) if with_params else None
         torch.library.opcheck(_ops.group_norm_forward, (x, w, b, 4, 1e-5, act))
+        # with gradients: the autograd registration, and AOT autograd through it
+        grad_args = [t.detach().requires_grad_() if t is not None else None for t in (x, w, b)]
+        torch.library.opcheck(_ops.group_norm_forward, (*grad_args, 4, 1e-5, act))
         _, mean, rstd = _ops.group_norm_forward(x, w, b, 4, 1e-5, act)
         torch.library.opcheck(_ops.group_norm_backward, (torch.randn_like(x), x, w, b, mean, rstd, 4, act))
 
