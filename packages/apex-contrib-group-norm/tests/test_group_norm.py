@@ -473,7 +473,9 @@ def test_cuda_kernel_is_loaded():
 
 @pytest.mark.gpu
 def test_cuda_autograd_is_the_cpp_one():
-    # the AutogradCUDA kernel (csrc/group_norm_autograd.cpp), not the Python registration
+    # the AutogradCUDA kernel (csrc/group_norm_autograd.cpp), not the Python registration (which
+    # serves the call that loads the library)
+    assert loader.load(KERNELS).has_kernels
     module = make_module(16, 4, "silu", torch.bfloat16, "cuda")
     y = module(random_input((2, 16, 3, 3), torch.bfloat16, "cuda").requires_grad_())
     node = y.grad_fn.next_functions[0][0]  # past the movedim view
