@@ -152,13 +152,13 @@ def train_probe(
     return model, optimizer
 
 
-def probe_worker(rank: int, world: int, names: list[str]):
+def probe_worker(rank: int, world: int, names: list[str], device="cpu"):
     out = {}
     for name in names:
         cfg = PROBES[name]
-        model, optimizer = train_probe(cfg, world, rank, steps=cfg.get("steps", 3))
+        model, optimizer = train_probe(cfg, world, rank, steps=cfg.get("steps", 3), device=device)
         out[name] = dict(
-            params=[p.detach().double().clone() for p in model.ps],
+            params=[p.detach().double().cpu() for p in model.ps],
             state=optimizer.state_dict(),
             grads_none=all(p.grad is None for p in model.ps),
             layout=dict(
@@ -231,7 +231,7 @@ def reference_probe(cfg: dict, world: int, steps: int = 3, skip_steps=(), clip=N
 
 # GradScaler, clipping, state dict ---------------------------------------------------------------
 
-INF_STEP, INF_RANK = 1, 1  # the step whose gradient has an inf on one rank only
+INF_STEP = 1  # the step whose gradient has an inf, on the last rank only
 SCALER_CFG = dict(param_dtype=torch.float32, shard=32)
 CLIP_CFG = dict(param_dtype=torch.float32, shard=32)
 CLIP_NORM = 3.0  # below the gradients' norm (about 14): every step clips
@@ -245,21 +245,21 @@ SCALER_CASES = {
 }
 
 
-def scaler_worker(rank: int, world: int):
-    return {name: scaler_case(rank, world, cfg) for name, cfg in SCALER_CASES.items()}
+def scaler_worker(rank: int, world: int, device="cpu"):
+    return {name: scaler_case(rank, world, cfg, torch.device(device)) for name, cfg in SCALER_CASES.items()}
 
 
-def scaler_case(rank: int, world: int, cfg: dict):
+def scaler_case(rank: int, world: int, cfg: dict, device: torch.device):
     from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
 
-    model = Probe(cfg["param_dtype"])
-    optimizer = DistributedFusedAdam(model.groups(), betas=BETAS, eps=EPS, device="cpu", **probe_options(cfg, world))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    model = Probe(cfg["param_dtype"]).to(device)
+    optimizer = DistributedFusedAdam(model.groups(), betas=BETAS, eps=EPS, device=device, **probe_options(cfg, world))
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=1000)
     scales = []
     skipped_step_changed = None
     for step in range(4):
         grads = probe_grads(step, 0, rank)
-        if step == INF_STEP and rank == INF_RANK:
+        if step == INF_STEP and rank == world - 1:
             grads[2][5] = math.inf
         before = [p.detach().clone() for p in model.ps]
         scaler.scale(model(grads)).backward()
@@ -278,7 +278,7 @@ def scaler_case(rank: int, world: int, cfg: dict):
     except RuntimeError as error:
         refused = str(error)
     return dict(
-        params=[p.detach().double().clone() for p in model.ps],
+        params=[p.detach().double().cpu() for p in model.ps],
         scales=scales,
         skipped_step_changed=skipped_step_changed,
         state=optimizer.state_dict(),
@@ -389,15 +389,14 @@ def mlp_worker(rank: int, world: int, overlap_param_sync: bool, device="cpu"):
     return {n: p.detach().double().cpu() for n, p in model.named_parameters()}
 
 
-def nccl_mlp_worker(rank: int, world: int):
-    return mlp_worker(rank, world, False, device=torch.device("cuda", rank))
-
-
-def nccl_probe_worker(rank: int, world: int, name: str):
-    model, _ = train_probe(
-        PROBES[name], world, rank, steps=PROBES[name].get("steps", 3), device=torch.device("cuda", rank)
+def nccl_suite_worker(rank: int, world: int):
+    """The Probe configurations, GradScaler cases and the MLP on ``cuda:rank`` with NCCL."""
+    device = torch.device("cuda", rank)
+    return dict(
+        probes=probe_worker(rank, world, list(PROBES), device=device),
+        scaler=scaler_worker(rank, world, device=device),
+        mlp=mlp_worker(rank, world, False, device=device),
     )
-    return [p.detach().double().cpu() for p in model.ps]
 
 
 def mlp_reference():

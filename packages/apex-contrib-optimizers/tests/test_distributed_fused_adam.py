@@ -52,10 +52,13 @@ def _tol(cfg):
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("name", list(R.PROBES))
 def test_probe_matches_torch_adam_on_averaged_gradients(probes, name, world):
+    check_probe(name, world, [per_rank[name] for per_rank in probes[world]])
+
+
+def check_probe(name, world, results):
     cfg = R.PROBES[name]
     ref = R.reference_probe(cfg, world, steps=cfg.get("steps", 3))
     initial = R.initial_values()
-    results = [per_rank[name] for per_rank in probes[world]]
     for rank, out in enumerate(results):
         state = out["state"]
         assert state["format"] == 2 and state["state"]["step"] == ref["step"]
@@ -132,9 +135,11 @@ def test_mlp_matches_whole_batch_adamw(suite, world, overlap_param_sync):
 
 @pytest.mark.parametrize("case", list(R.SCALER_CASES))
 def test_grad_scaler_skips_the_step_with_an_inf_on_one_rank(suite, case):
-    world = 2
+    check_scaler(case, 2, [r["scaler"][case] for r in suite[2]])
+
+
+def check_scaler(case, world, results):
     cfg = R.SCALER_CASES[case]
-    results = [r["scaler"][case] for r in suite[world]]
     ref = R.reference_probe(cfg, world, steps=4, skip_steps=(R.INF_STEP,))
     for rank, out in enumerate(results):
         # the skipped step halves the scale; the others keep it (growth_interval is long)
@@ -436,25 +441,30 @@ def test_ops_on_cuda_match_cpu(remainders):
             torch.testing.assert_close(b.cpu(), a, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.gpu
-@pytest.mark.multigpu
-@pytest.mark.parametrize("name", ["fp32_small_buckets_overlap", "bf16_params_remainders", "fp32_accumulate_no_sync"])
-def test_probe_on_nccl(name):
-    world = 2
-    results = run_ranks(RANKS, "nccl_probe_worker", world, backend="nccl", args=(name,), timeout=TIMEOUT)
-    cfg = R.PROBES[name]
-    ref = R.reference_probe(cfg, world, steps=cfg.get("steps", 3))
-    for rank, params in enumerate(results):
-        for i, (p, master) in enumerate(zip(params, ref["masters"])):
-            if i == R.FROZEN or p.numel() == 0:
-                continue
-            tol = FP32_TOL if cfg["param_dtype"] == torch.float32 else BF16_TOL
-            torch.testing.assert_close(p, master, **tol, msg=f"{name} rank {rank} param {i}")
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.multigpu)], ids=["1gpu", "2gpus"])
+def nccl_suite(request):
+    world = request.param
+    return world, run_ranks(RANKS, "nccl_suite_worker", world, backend="nccl", timeout=TIMEOUT)
 
 
 @pytest.mark.gpu
-def test_mlp_on_one_gpu_matches_whole_batch_adamw():
-    results = run_ranks(RANKS, "nccl_mlp_worker", 1, backend="nccl", timeout=TIMEOUT)
+@pytest.mark.parametrize("name", list(R.PROBES))
+def test_probe_on_nccl(nccl_suite, name):
+    world, results = nccl_suite
+    check_probe(name, world, [r["probes"][name] for r in results])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(R.SCALER_CASES))
+def test_grad_scaler_on_nccl(nccl_suite, case):
+    world, results = nccl_suite
+    check_scaler(case, world, [r["scaler"][case] for r in results])
+
+
+@pytest.mark.gpu
+def test_mlp_on_nccl_matches_whole_batch_adamw(nccl_suite):
+    _, results = nccl_suite
     ref = R.mlp_reference()
-    for name, p in results[0].items():
-        torch.testing.assert_close(p, ref[name], rtol=2e-5, atol=2e-6, msg=name)
+    for rank, params in enumerate(results):
+        for name, p in params["mlp"].items():
+            torch.testing.assert_close(p, ref[name], rtol=2e-5, atol=2e-6, msg=f"rank {rank} {name}")
