@@ -288,3 +288,32 @@ def test_wrapped_model_is_permuted_inside_the_wrapper():
     permuted_in_c, _, _ = Permutation.get_permutation_stats()
     assert set(permuted_in_c) == {"fc1.weight", "fc2.weight"}
     assert is_2_of_4(model.fc1.weight) and ASP.is_sparsity_enabled()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_model_on_cuda(dtype):
+    model = Net().to(device="cuda", dtype=dtype)
+    dense = {name: getattr(model, name).weight.detach().clone() for name in ELIGIBLE}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    Permutation.set_search_options({"strategy": "channel_swap", "escape_attempts": 2})
+    ASP.init_model_for_pruning(model, verbosity=0, allow_recompute_mask=True)
+    ASP.init_optimizer_for_pruning(optimizer)
+    ASP.compute_sparse_masks()
+    for name in ELIGIBLE:
+        module = getattr(model, name)
+        assert module.get_buffer("__weight_mma_mask").device.type == "cuda"
+        assert module.get_buffer("__weight_mma_pruned_p").device.type == "cpu"
+        assert is_2_of_4(module.weight)
+    x, image = inputs()
+    y, z = model(x.to("cuda", dtype), image.to("cuda", dtype))
+    (y.float().square().mean() + z.float().square().mean()).backward()
+    optimizer.step()
+    for name in ELIGIBLE:
+        assert is_2_of_4(getattr(model, name).weight)
+    ASP.restore_pruned_weights()
+    # the pruned half comes back (a failed restore would leave half the weights zero)
+    for name in ELIGIBLE:
+        now = getattr(model, name).weight.detach()
+        assert float((now != 0).float().mean()) > 0.99
+        assert not torch.equal(now, dense[name])  # trained (and channel-permuted)
