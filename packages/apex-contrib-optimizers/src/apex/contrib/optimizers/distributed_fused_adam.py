@@ -82,8 +82,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         m = beta1 * m + (1 - beta1) * g;  v = beta2 * v + (1 - beta2) * g * g
         p = p - lr * (m / (1 - beta1**t)) / (sqrt(v / (1 - beta2**t)) + eps)  [- lr * wd * p in AdamW mode]
 
-    With ``dtype=torch.float32`` the step runs apex-optimizers' ``fused_adam`` op on the shards;
-    with fp16/bf16 state or parameter remainders our ``distributed_adam*`` ops.
+    With ``dtype=torch.float32`` the step runs apex-optimizers' ``fused_adam`` op on the shards (its
+    CUDA kernel on GPUs; it applies AdamW's decay as ``p * (1 - lr * wd)`` first, the same update);
+    with fp16/bf16 state or parameter remainders this package's ``distributed_adam*`` ops, which are
+    PyTorch code on every device (no CUDA kernel yet).
 
     Args: (upstream's, in upstream's order)
         params: parameters or parameter groups (fp32, fp16 or bf16, contiguous, on ``device``).
@@ -104,8 +106,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         overlap_grad_sync: reduce-scatter buckets during backward as they fill.
         overlap_param_sync: ``step`` starts the all-gathers without waiting; they are finished (and the
             parameters written) by the first forward pass of any ``nn.Module`` afterwards (a global
-            forward pre-hook), or by :meth:`param_sync`, :meth:`zero_grad`, :meth:`step` or
-            :meth:`state_dict`. Upstream instead hooks each parameter's first use. Code that reads
+            forward pre-hook), or by :meth:`param_sync`, :meth:`step`, :meth:`state_dict` or
+            :meth:`load_state_dict`. Upstream instead hooks each parameter's first use. Code that reads
             the parameters outside a module's forward must call :meth:`param_sync` first.
         bucket_cap_mb: bucket size in MiB (of ``grad_sync_dtype``), as upstream rounds it: the shard
             is ``bucket_cap_mb`` MiB / world size, rounded down to a multiple of 128 bytes (at least 128).
