@@ -538,6 +538,40 @@ def overlap_worker(rank: int, world: int):
     return out
 
 
+def misc_worker(rank: int, world: int):
+    """A tensor lr, a closure, and a learning rate changed between steps (as a scheduler does)."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    cfg = dict(param_dtype=torch.float32, shard=32)
+    out = {}
+    for form in ("float", "tensor"):
+        model = Probe(torch.float32)
+        groups = model.groups()
+        if form == "tensor":
+            for group in groups:
+                group["lr"] = torch.tensor(group["lr"])
+        optimizer = DistributedFusedAdam(groups, betas=BETAS, eps=EPS, device="cpu", **probe_options(cfg, world))
+        losses = []
+        for step in range(3):
+            grads = probe_grads(step, 0, rank)
+
+            def closure(grads=grads, model=model):
+                loss = model(grads)
+                loss.backward()
+                return loss
+
+            losses.append(float(optimizer.step(closure)))
+            optimizer.zero_grad()
+        out[form] = dict(params=[p.detach().double().clone() for p in model.ps], losses=losses)
+    before = [p.detach().clone() for p in model.ps]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    model(probe_grads(5, 0, rank)).backward()
+    optimizer.step()
+    out["unchanged_with_lr_0"] = all(torch.equal(p, b) for p, b in zip(model.ps, before))
+    return out
+
+
 def _record_launch(launches: list, start, bucket) -> None:
     launches.append(bucket.index)
     start(bucket)
@@ -570,6 +604,7 @@ def suite_worker(rank: int, world: int, saved=None):
             hybrid=hybrid_worker(rank, world),
             bad=bad_arguments_worker(rank, world),
             overlap=overlap_worker(rank, world),
+            misc=misc_worker(rank, world),
         )
     if saved is not None:
         out["load"] = load_worker(rank, world, *saved)

@@ -210,6 +210,21 @@ def test_overlap_starts_reduce_scatters_during_backward_and_zero_grad_drops_grad
             assert case["norm_after_zero_grad"] == 0.0
 
 
+def test_tensor_lr_closure_and_changed_lr(suite):
+    world = 2
+    ref = R.reference_probe(dict(param_dtype=torch.float32, shard=32), world, steps=3)
+    initial = R.initial_values()
+    for rank, out in enumerate(r["misc"] for r in suite[world]):
+        for form in ("float", "tensor"):
+            for i, (p, master) in enumerate(zip(out[form]["params"], ref["masters"])):
+                torch.testing.assert_close(p, master, **FP32_TOL, msg=f"{form} lr, rank {rank} param {i}")
+            # the closure's loss: this rank's sum(p * G) before each step
+            assert len(out[form]["losses"]) == 3 and out[form]["losses"][0] == pytest.approx(
+                sum(float((v.float().double() * g).sum()) for v, g in zip(initial, R.probe_grads(0, 0, rank))), rel=1e-5
+            )
+        assert out["unchanged_with_lr_0"]
+
+
 def test_bad_arguments_raise_naming_the_argument(suite):
     for out in (r["bad"] for r in suite[2]):
         for name, (_, kind, words) in R.BAD_ARGUMENTS.items():
