@@ -101,6 +101,18 @@ PROBES = {
         emulate="round_params",
     ),
     "fp16_params_fp32_sync": dict(param_dtype=torch.float16, shard=32, master=True),
+    "fp32_contiguous_param_buffer": dict(
+        param_dtype=torch.float32, shard=32, options=dict(contiguous_param_buffer=True, contiguous_grad_buffer=True)
+    ),
+    "bf16_contiguous_param_buffer_bf16_sync": dict(
+        param_dtype=torch.bfloat16,
+        shard=32,
+        options=dict(contiguous_param_buffer=True, param_sync_dtype=torch.bfloat16),
+        master=True,
+    ),
+    "fp16_contiguous_param_buffer_fp32_sync": dict(
+        param_dtype=torch.float16, shard=32, options=dict(contiguous_param_buffer=True), master=True
+    ),
     "bf16_state": dict(
         param_dtype=torch.float32, shard=64, options=dict(dtype=torch.bfloat16), emulate="round_state", tol=2e-2
     ),
@@ -166,9 +178,21 @@ def probe_worker(rank: int, world: int, names: list[str], device="cpu"):
                 buckets=len(optimizer._buckets),
                 state_elements=sum(b.exp_avg.numel() for b in optimizer._buckets),
                 buckets_of_param_2=len(optimizer._param_buckets[model.ps[2]]),
+                params_in_buffer=_params_in_buffer(optimizer, model),
             ),
         )
     return out
+
+
+def _params_in_buffer(optimizer, model) -> bool | None:
+    """Whether every trainable parameter is a view of the optimizer's parameter buffer (None: no buffer)."""
+    buffer = optimizer._param_buffer
+    if buffer is None:
+        return None
+    start = buffer.data_ptr()
+    end = start + buffer.numel() * buffer.element_size()
+    trainable = [p for p in model.ps if p.requires_grad and p.numel()]
+    return all(start <= p.data_ptr() < end and p.untyped_storage().data_ptr() == start for p in trainable)
 
 
 def averaged_grads(step: int, world: int, micro: int = 1, grad_dtype=None) -> list[torch.Tensor]:
@@ -444,7 +468,6 @@ BAD_ARGUMENTS = {
     "with_scaled_states": (dict(with_scaled_states=True), NotImplementedError, "with_scaled_states"),
     "nccl_ub": (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
     "capturable": (dict(capturable=True), NotImplementedError, "capturable"),
-    "contiguous_param_buffer": (dict(contiguous_param_buffer=True), NotImplementedError, "contiguous_param_buffer"),
     "dtype": (dict(dtype=torch.float64), ValueError, "dtype"),
     "grad_sync_dtype": (dict(grad_sync_dtype=torch.int32), ValueError, "grad_sync_dtype"),
     "param_sync_dtype": (dict(param_sync_dtype=torch.float64), ValueError, "param_sync_dtype"),
@@ -468,6 +491,7 @@ BAD_ARGUMENTS = {
     "device": (dict(device="meta"), ValueError, "device"),
     "cuda_device": (dict(device="cuda"), ValueError, "device"),
     "process_groups": ("redundant", RuntimeError, "redundant_process_group"),
+    "contiguous_param_buffer_mixed_dtypes": ("mixed", ValueError, "contiguous_param_buffer"),
 }
 
 
@@ -478,12 +502,15 @@ def bad_arguments_worker(rank: int, world: int):
 
     out = {}
     for name, (kwargs, _, _) in BAD_ARGUMENTS.items():
+        model = Probe(torch.float32)
         if kwargs == "redundant":
             kwargs = dict(redundant_process_group=dist.new_group(list(range(world))))
+        if kwargs == "mixed":
+            kwargs = dict(contiguous_param_buffer=True)
+            model.ps[0].data = model.ps[0].data.bfloat16()
         if name == "cuda_device" and torch.cuda.is_available():
             out[name] = ("skipped", "CUDA is available")
             continue
-        model = Probe(torch.float32)
         try:
             DistributedFusedAdam(model.parameters(), **{"device": "cpu", **kwargs})
             out[name] = ("no error", "")

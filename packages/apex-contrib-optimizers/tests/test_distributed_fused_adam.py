@@ -63,6 +63,8 @@ def check_probe(name, world, results):
         state = out["state"]
         assert state["format"] == 2 and state["state"]["step"] == ref["step"]
         assert out["grads_none"], "gradients must live in the optimizer's shards, not in param.grad"
+        contiguous = cfg.get("options", {}).get("contiguous_param_buffer", False)
+        assert out["layout"]["params_in_buffer"] is (True if contiguous else None)
         for i, (p, master) in enumerate(zip(out["params"], ref["masters"])):
             where = f"{name} world {world} rank {rank} param {i}"
             if i == R.FROZEN:

@@ -54,7 +54,7 @@ class _Bucket:
     grads_shard: torch.Tensor | None = None
     grads_ready: set = field(default_factory=set)
     grad_sync: tuple | None = None  # (work, output shard)
-    param_gather: tuple | None = None  # (work, gathered bucket)
+    param_gather: tuple | None = None  # (work, gathered bucket, gathered into the parameters)
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -113,7 +113,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             is ``bucket_cap_mb`` MiB / world size, rounded down to a multiple of 128 bytes (at least 128).
         pipeline_size: the most reduce-scatters (and, without ``overlap_param_sync``, all-gathers)
             in flight at once.
-        contiguous_param_buffer: not supported (raises NotImplementedError).
+        contiguous_param_buffer: make the parameters views of one persistent buffer laid out as the
+            buckets (all parameters of one dtype); with ``param_sync_dtype`` equal to that dtype the
+            all-gathers write the parameters in place (no copy after them).
         contiguous_grad_buffer: keep the gradient buckets in one persistent buffer;
             :meth:`grad_buffer_view` then gives a parameter's (unreduced, local) gradient in it.
         store_params: keep master copies of the parameters in ``dtype`` (else the step starts from the
@@ -177,7 +179,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             ("with_scaled_states", with_scaled_states, "per-tensor scaled fp16/bf16 state is not implemented"),
             ("nccl_ub", nccl_ub, "NCCL user buffers (apex.contrib.nccl_allocator) are not implemented"),
             ("capturable", capturable, "CUDA-graph capture of the step is not implemented"),
-            ("contiguous_param_buffer", contiguous_param_buffer, "parameters as views of a buffer are not implemented"),
         ):  # fmt: skip
             if value:
                 raise NotImplementedError(f"{name}: {flag}=True is not supported: {why}")
@@ -221,7 +222,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_grad_sync = bool(overlap_grad_sync)
         self.overlap_param_sync = bool(overlap_param_sync)
         self.pipeline_size = pipeline_size
-        self.contiguous_param_buffer = False
+        self.contiguous_param_buffer = bool(contiguous_param_buffer)
         self.contiguous_grad_buffer = bool(contiguous_grad_buffer)
         self.store_params = bool(store_params)
         self.store_param_remainders = bool(store_param_remainders)
@@ -362,6 +363,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 bucket.params.add(p)
                 self._param_buckets[p].append(bucket)
         self._grad_buffer = None
+        self._param_buffer = None
+        if self.contiguous_param_buffer:
+            self._make_param_buffer(num_buckets)
         if self.contiguous_grad_buffer:
             self._grad_buffer = torch.zeros(
                 num_buckets * self.bucket_size, dtype=self.grad_sync_dtype, device=self.device
@@ -373,6 +377,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 bucket.params_shard = self._pack_params(bucket, self.dtype)
             if self.store_param_remainders:
                 bucket.param_remainders = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
+
+    def _make_param_buffer(self, num_buckets: int) -> None:
+        dtypes = {p.dtype for p in self._ordered_params}
+        if len(dtypes) > 1:
+            raise ValueError(
+                "DistributedFusedAdam: contiguous_param_buffer=True needs parameters of one dtype, got "
+                + ", ".join(sorted(str(d) for d in dtypes))
+            )
+        dtype = dtypes.pop() if dtypes else self.param_sync_dtype
+        self._param_buffer = torch.zeros(num_buckets * self.bucket_size, dtype=dtype, device=self.device)
+        for p in self._ordered_params:
+            start, end = self._param_range[p]
+            view = self._param_buffer[start:end].view(p.shape)
+            view.copy_(p.detach())
+            p.data = view
 
     def _local_fragments(self, bucket: _Bucket):
         return [f for f in bucket.fragments if f.shard_range is not None]
@@ -684,19 +703,26 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _start_param_gather(self, bucket: _Bucket) -> None:
         _, shard = bucket.param_gather
-        gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
+        buffer = self._param_buffer
+        in_place = buffer is not None and buffer.dtype == self.param_sync_dtype
+        if in_place:  # straight into the parameters
+            gathered = buffer[bucket.index * self.bucket_size : (bucket.index + 1) * self.bucket_size]
+        else:
+            gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
         work = _all_gather(gathered, shard, group=self.distributed_process_group, async_op=True)
-        bucket.param_gather = (work, gathered)
+        bucket.param_gather = (work, gathered, in_place)
         self._param_gathers_in_flight.append(bucket)
         while len(self._param_gathers_in_flight) > self.pipeline_size and not self.overlap_param_sync:
             self._finish_param_gather(self._param_gathers_in_flight[0])
 
     @torch.no_grad()
     def _finish_param_gather(self, bucket: _Bucket) -> None:
-        work, gathered = bucket.param_gather
+        work, gathered, in_place = bucket.param_gather
         work.wait()
         bucket.param_gather = None
         self._param_gathers_in_flight.remove(bucket)
+        if in_place:
+            return
         for f in bucket.fragments:
             f.param.detach().view(-1)[slice(*f.param_range)].copy_(gathered[slice(*f.bucket_range)])
 
