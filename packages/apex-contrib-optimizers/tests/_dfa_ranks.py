@@ -261,8 +261,19 @@ CLIP_CFG = dict(param_dtype=torch.float32, shard=32)
 CLIP_NORM = 3.0  # below the gradients' norm (about 14): every step clips
 
 
+class UnscalingGradScaler(torch.amp.GradScaler):
+    """A scaler that hands unscaling to optimizers that ask for it, as NeMo's scalers do (upstream's
+    ``_custom_amp_unscale_grads`` protocol)."""
+
+    def _unscale_grads_(self, optimizer, *args):
+        if getattr(optimizer, "_custom_amp_unscale_grads", False):
+            return optimizer.unscale_grads(*args)
+        return super()._unscale_grads_(optimizer, *args)
+
+
 SCALER_CASES = {
     "fp32": SCALER_CFG,
+    "fp32_unscale_first_custom_scaler": dict(SCALER_CFG, unscale_first=True),
     "bf16_fp32_master": PROBES["bf16_params_fp32_master"],
     "bf16_remainders": PROBES["bf16_params_remainders"],
     "bf16_state": PROBES["bf16_state"],
@@ -278,7 +289,8 @@ def scaler_case(rank: int, world: int, cfg: dict, device: torch.device):
 
     model = Probe(cfg["param_dtype"]).to(device)
     optimizer = DistributedFusedAdam(model.groups(), betas=BETAS, eps=EPS, device=device, **probe_options(cfg, world))
-    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10, growth_interval=1000)
+    scaler_class = UnscalingGradScaler if cfg.get("unscale_first") else torch.amp.GradScaler
+    scaler = scaler_class(device.type, init_scale=2.0**10, growth_interval=1000)
     scales = []
     skipped_step_changed = None
     for step in range(4):
@@ -287,13 +299,16 @@ def scaler_case(rank: int, world: int, cfg: dict, device: torch.device):
             grads[2][5] = math.inf
         before = [p.detach().clone() for p in model.ps]
         scaler.scale(model(grads)).backward()
+        if cfg.get("unscale_first"):
+            scaler.unscale_(optimizer)  # the scaler's override calls optimizer.unscale_grads
         scaler.step(optimizer)
         scaler.update()
         scales.append(scaler.get_scale())
         optimizer.zero_grad()
         if step == INF_STEP:
             skipped_step_changed = [i for i, (p, b) in enumerate(zip(model.ps, before)) if not torch.equal(p, b)]
-    # scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check
+    # torch's scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     scaler.scale(model(probe_grads(9, 0, rank))).backward()
     scaler.unscale_(optimizer)
     try:
@@ -319,13 +334,20 @@ def clip_worker(rank: int, world: int):
     )
     norms = []
     inf_norms = []
+    subset_norms = []
     for step in range(3):
         model(probe_grads(step, 0, rank)).backward()
         inf_norms.append(optimizer.grad_norm(norm_type=math.inf).item())
+        subset_norms.append(optimizer.grad_norm([model.ps[0], model.ps[2]], norm_type=1.0).item())
         norms.append(optimizer.clip_grad_norm(CLIP_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
-    return dict(params=[p.detach().double().clone() for p in model.ps], norms=norms, inf_norms=inf_norms)
+    return dict(
+        params=[p.detach().double().clone() for p in model.ps],
+        norms=norms,
+        inf_norms=inf_norms,
+        subset_norms=subset_norms,
+    )
 
 
 STATE_CFG = dict(param_dtype=torch.float32, shard=32)

@@ -157,6 +157,10 @@ def check_scaler(case, world, results):
                 torch.testing.assert_close(p, master, **BF16_TOL, msg=where)
             else:
                 torch.testing.assert_close(p, master, **_tol(cfg), msg=where)
+            # Adam hardly depends on the gradients' scale; its moments do: they prove the unscaling
+            saved = out["state"]["state"][i]
+            torch.testing.assert_close(saved["exp_avg"].double(), ref["exp_avg"][i], **_tol_state(cfg), msg=where)
+            torch.testing.assert_close(saved["exp_avg_sq"].double(), ref["exp_avg_sq"][i], **_tol_state(cfg), msg=where)
         assert out["refused"] is not None and "unscale_grads" in out["refused"]
 
 
@@ -165,10 +169,12 @@ def test_clip_grad_norm_matches_torch(suite):
     results = [r["clip"] for r in suite[world]]
     ref = R.reference_probe(R.CLIP_CFG, world, steps=3, clip=R.CLIP_NORM)
     inf_norms = [max(g.abs().max().item() for g in R.averaged_grads(step, world) if g.numel()) for step in range(3)]
+    subset_norms = [sum(R.averaged_grads(step, world)[i].abs().sum().item() for i in (0, 2)) for step in range(3)]
     for rank, out in enumerate(results):
         assert all(n > R.CLIP_NORM for n in out["norms"]), "the test needs every step to clip"
         torch.testing.assert_close(torch.tensor(out["norms"]), torch.stack(ref["norms"]).float(), rtol=1e-5, atol=0)
         torch.testing.assert_close(torch.tensor(out["inf_norms"]), torch.tensor(inf_norms), rtol=1e-6, atol=0)
+        torch.testing.assert_close(torch.tensor(out["subset_norms"]), torch.tensor(subset_norms), rtol=1e-5, atol=0)
         for i, (p, master) in enumerate(zip(out["params"], ref["masters"])):
             torch.testing.assert_close(p, master, **FP32_TOL, msg=f"rank {rank} param {i}")
 

@@ -129,7 +129,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     inside the step and skips it on the device when a gradient is inf/NaN (on any rank), without a host
     sync; ``scaler.update()`` then sees the inf. Because the gradients live in the optimizer's shards,
     ``scaler.unscale_(optimizer)`` cannot see them: call ``optimizer.unscale_grads(grad_scaler=scaler)``
-    instead (before :meth:`clip_grad_norm`); a step after ``scaler.unscale_`` raises.
+    instead (before :meth:`clip_grad_norm`); a step after torch's ``scaler.unscale_`` raises. Scalers
+    that hand unscaling to ``optimizer.unscale_grads`` (``_custom_amp_unscale_grads``, as NeMo's) work.
 
     Differences from upstream: no CUDA side streams (collectives run asynchronously through
     ``async_op=True``); parameter state is made at construction, not on the first backward (the
@@ -266,7 +267,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._build_buckets()
         self.state["step"] = torch.zeros(1, dtype=torch.float32, device=self.device)
         self._grad_scale = torch.ones(1, dtype=torch.float32, device=self.device)
-        self._grad_norm: torch.Tensor | None = None
+        self._grad_norm: tuple | None = None  # (norm type, norm of the reduced gradients before scaling)
+        self._unscaled = False  # unscale_grads() ran since the last step
         self._grad_sync_enabled = True
         self._grad_syncs_in_flight: list[_Bucket] = []
         self._param_gathers_in_flight: list[_Bucket] = []
@@ -496,6 +498,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 p.grad = None
         self._grad_scale.fill_(1.0)
         self._grad_norm = None
+        self._unscaled = False
 
     def grad_buffer_view(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s local (not yet reduced) gradient in the contiguous gradient buffer."""
@@ -511,77 +514,101 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _grad_shards(self) -> list[torch.Tensor]:
         return [b.grads_shard for b in self._buckets if b.grads_shard is not None]
 
+    def _grad_pieces(self, parameters) -> list[torch.Tensor]:
+        """The reduced gradient shards (all, or the local parts of ``parameters``), as fp32."""
+        if parameters is None:
+            return [s.float() for s in self._grad_shards()]
+        chosen = set()
+        for p in parameters:
+            if p not in self._param_range:
+                raise RuntimeError(
+                    "DistributedFusedAdam.grad_norm: a tensor in parameters is not optimized by this "
+                    "optimizer (or does not require grad)"
+                )
+            chosen.add(p)
+        return [
+            bucket.grads_shard[slice(*f.shard_range)].float()
+            for bucket in self._buckets
+            if bucket.grads_shard is not None
+            for f in self._local_fragments(bucket)
+            if f.param in chosen
+        ]
+
     @torch.no_grad()
-    def grad_norm(self, norm_type: float = 2.0, force: bool = False) -> torch.Tensor:
-        """The norm of the whole (reduced, unscaled) gradient, the same on every rank; a
-        one-element fp32 tensor on ``device``. Cached until the gradients change (``force``
-        recomputes)."""
+    def grad_norm(self, parameters=None, norm_type: float = 2.0, force: bool = False) -> torch.Tensor:
+        """The ``norm_type``-norm of the reduced, unscaled gradients of ``parameters`` (default: all)
+        as one vector, the same on every rank: a one-element fp32 tensor on ``device``. The norm of
+        all gradients is cached until they change (``force`` recomputes). Upstream takes only 2."""
         norm_type = float(norm_type)
         if not (norm_type > 0):
             raise ValueError(f"DistributedFusedAdam.grad_norm: norm_type must be positive, got {norm_type}")
         self.grad_sync()
-        if self._grad_norm is not None and not force and self._grad_norm[0] == norm_type:
-            return self._grad_norm[1]
-        shards = [s.float() for s in self._grad_shards()]
+        cached = self._grad_norm
+        if parameters is None and cached is not None and not force and cached[0] == norm_type:
+            return cached[1] * self._grad_scale.abs()
+        pieces = self._grad_pieces(parameters)
+        zero = torch.zeros((), device=self.device)
         if math.isinf(norm_type):
-            local = (
-                torch.stack([s.abs().amax() for s in shards]).amax() if shards else torch.zeros((), device=self.device)
-            )
-            local = local.reshape(1).to(self.device)
+            local = torch.stack([t.abs().amax() for t in pieces]).amax() if pieces else zero
+            local = local.reshape(1).clone()
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.distributed_process_group)
             norm = local
         else:
-            local = sum((s.abs().pow(norm_type).sum() for s in shards), torch.zeros((), device=self.device))
-            local = local.reshape(1).to(torch.float32)
+            local = sum((t.abs().pow(norm_type).sum() for t in pieces), zero).reshape(1)
             dist.all_reduce(local, group=self.distributed_process_group)
             norm = local.pow(1.0 / norm_type)
-        norm = norm * self._grad_scale.abs()
-        self._grad_norm = (norm_type, norm)
-        return norm
+        if parameters is None:
+            self._grad_norm = (norm_type, norm)
+        return norm * self._grad_scale.abs()
 
     @torch.no_grad()
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the gradients so their norm is at most ``max_norm`` (as
-        ``torch.nn.utils.clip_grad_norm_``); returns the norm before clipping."""
-        norm = self.grad_norm(norm_type)
+    def clip_grad_norm(self, max_norm: float, parameters=None, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all gradients by ``min(1, max_norm / (norm + 1e-6))``, the norm being that of
+        ``parameters``' gradients (default: all), as ``torch.nn.utils.clip_grad_norm_`` does; the
+        scaling is applied in :meth:`step`. Returns the norm before clipping."""
+        norm = self.grad_norm(parameters, norm_type)
         coefficient = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
         self._grad_scale.mul_(coefficient)
-        self._grad_norm = None
         return norm
 
     @torch.no_grad()
-    def unscale_grads(self, inv_scale: torch.Tensor | None = None, grad_scaler=None) -> None:
-        """Multiply the gradients by ``inv_scale``, or (``grad_scaler``, a ``torch.amp.GradScaler``)
-        by the inverse of its scale, checking them for inf/NaN over all ranks and recording that in
-        the scaler as its own ``unscale_`` does (no host sync)."""
+    def unscale_grads(self, inv_scale: torch.Tensor | None = None, *args, grad_scaler=None) -> dict:
+        """Multiply the gradients by ``inv_scale``: upstream's hook for gradient scalers that
+        override ``_unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)`` to call
+        ``optimizer.unscale_grads(inv_scale, found_inf, allow_fp16)`` (NeMo's do; the extra
+        arguments are not used). Returns ``{device: found_inf}``: 1.0 when any rank's gradients hold
+        an inf or NaN (upstream returns zero there; both check again in :meth:`step`).
+
+        ``grad_scaler`` (keyword): a ``torch.amp.GradScaler`` in its READY stage: the gradients are
+        multiplied by the inverse of its scale and the check is recorded in it, as its own
+        ``unscale_`` would. Use this instead of ``scaler.unscale_(optimizer)``, which cannot see the
+        gradients (they live in the optimizer's shards). No host sync either way."""
         self.grad_sync()
         if inv_scale is not None:
-            self._grad_scale.mul_(inv_scale.to(self.device, torch.float32).reshape(1))
-            self._grad_norm = None
-        if grad_scaler is None or not grad_scaler.is_enabled():
-            return
-        from torch.amp.grad_scaler import OptState
+            self._grad_scale.mul_(torch.as_tensor(inv_scale).to(self.device, torch.float32).reshape(1))
+        state = None
+        if grad_scaler is not None and grad_scaler.is_enabled():
+            from torch.amp.grad_scaler import OptState
 
-        state = grad_scaler._per_optimizer_states[id(self)]
-        if state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_grads() has already been called on this optimizer since the last update()")
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_grads() is being called after step()")
-        scale = grad_scaler._get_scale_async()
-        self._grad_scale.div_(scale.to(self.device, torch.float32).reshape(1))
-        self._grad_norm = None
-        state["found_inf_per_device"] = {self.device: self._found_inf()}
-        state["stage"] = OptState.UNSCALED
-        self._unscaled_for = grad_scaler
+            state = grad_scaler._per_optimizer_states[id(self)]
+            if state["stage"] is OptState.UNSCALED:
+                raise RuntimeError("unscale_grads() has already been called on this optimizer since the last update()")
+            if state["stage"] is OptState.STEPPED:
+                raise RuntimeError("unscale_grads() is being called after step()")
+            scale = grad_scaler._get_scale_async()
+            self._grad_scale.div_(scale.to(self.device, torch.float32).reshape(1))
+        self._unscaled = True
+        found = {self.device: self._found_inf()}
+        if state is not None:
+            state["found_inf_per_device"] = found
+            state["stage"] = OptState.UNSCALED
+        return found
 
     def _found_inf(self) -> torch.Tensor:
-        """1.0 when any rank's reduced gradient holds an inf or NaN, else 0.0 (fp32, on ``device``)."""
-        shards = self._grad_shards()
-        if shards:
-            peak = torch.stack([s.float().abs().amax() for s in shards]).amax()
-            found = (~torch.isfinite(peak)).float().reshape(1)
-        else:
-            found = torch.zeros(1, device=self.device)
+        """1.0 when any rank's reduced gradient (or the pending unscale/clip factor) holds an inf or
+        NaN, else 0.0 (fp32, on ``device``)."""
+        peaks = [s.float().abs().amax() for s in self._grad_shards()] + [self._grad_scale.abs().reshape(())]
+        found = (~torch.isfinite(torch.stack(peaks).amax())).float().reshape(1)
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         return found
 
@@ -603,21 +630,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
             state = grad_scaler._per_optimizer_states[id(self)]
             if state["stage"] is OptState.READY:
-                self.unscale_grads(grad_scaler=grad_scaler)
-            elif getattr(self, "_unscaled_for", None) is not grad_scaler:
+                found_inf = self.unscale_grads(grad_scaler=grad_scaler)[self.device]
+            elif not self._unscaled:
                 raise RuntimeError(
                     "DistributedFusedAdam: GradScaler.unscale_(optimizer) cannot see this optimizer's "
                     "gradients (they live in its shards, not in param.grad); call "
                     "optimizer.unscale_grads(grad_scaler=scaler) instead"
                 )
-            found_inf = (
-                torch.stack(
-                    [t.to(self.device, torch.float32).reshape(()) for t in state["found_inf_per_device"].values()]
-                )
-                .amax()
-                .reshape(1)
-            )
-        self._unscaled_for = None
+            else:
+                # checked again after any clipping, over every rank; the scaler's update() reads it
+                found_inf = self._found_inf()
+                state["found_inf_per_device"] = {self.device: found_inf}
+        self._unscaled = False
         step = self.state["step"]
         if found_inf is None:
             step.add_(1.0)
