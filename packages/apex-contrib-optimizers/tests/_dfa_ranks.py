@@ -546,6 +546,9 @@ def bad_arguments_worker(rank: int, world: int):
         ("state_dict_format", lambda: optimizer.state_dict(state_dict_format=1)),
         ("load_format", lambda: optimizer.load_state_dict({"state": {}, "param_groups": []})),
         ("grad_norm", lambda: optimizer.grad_norm(norm_type=0.0)),
+        ("grad_norm_foreign_parameter", lambda: optimizer.grad_norm([torch.nn.Parameter(torch.ones(2))])),
+        ("init_param_buffer", lambda: optimizer.init_param_buffer()),
+        ("add_param_group", lambda: optimizer.add_param_group(dict(params=[torch.nn.Parameter(torch.ones(2))]))),
     ):
         try:
             call()

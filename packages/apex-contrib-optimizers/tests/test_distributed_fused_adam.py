@@ -246,6 +246,9 @@ def test_bad_arguments_raise_naming_the_argument(suite):
             "state_dict_format": ("ValueError", "state_dict_format"),
             "load_format": ("ValueError", "format"),
             "grad_norm": ("ValueError", "norm_type"),
+            "grad_norm_foreign_parameter": ("RuntimeError", "parameters"),
+            "init_param_buffer": ("RuntimeError", "contiguous_param_buffer"),
+            "add_param_group": ("NotImplementedError", "add_param_group"),
         }
         for name, (kind, words) in expected.items():
             got, message = out[name]

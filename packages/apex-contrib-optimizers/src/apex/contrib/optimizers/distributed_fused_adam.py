@@ -764,6 +764,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 f"(the optimizer's is {self.param_sync_dtype})"
             )
 
+    def init_param_buffer(self) -> None:
+        """Upstream makes the contiguous parameter buffer here; it is made at construction."""
+        if not self.contiguous_param_buffer:
+            raise RuntimeError("DistributedFusedAdam.init_param_buffer needs contiguous_param_buffer=True")
+
     # --- state dict ------------------------------------------------------------------------------
 
     def _gather_shards(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
