@@ -1,25 +1,11 @@
-"""apex.contrib.conv_bias_relu: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.conv_bias_relu: convolution + bias (+ ReLU, + mask, + frozen scale), upstream's API.
 
-Importing it registers its ops (``torch.ops.apex_contrib_conv_bias_relu.*``).
+``ConvBiasReLU``, ``ConvBias``, ``ConvBiasMaskReLU`` and ``ConvFrozenScaleBiasReLU`` (see
+:mod:`apex.contrib.conv_bias_relu.conv_bias_relu`). Importing it registers the ops
+``torch.ops.apex_contrib_conv_bias_relu.*``. No custom kernel: PyTorch's convolution (cuDNN's on
+CUDA) and its element-wise kernels, on every device.
 """
 
-from __future__ import annotations
+from apex.contrib.conv_bias_relu.conv_bias_relu import ConvBias, ConvBiasMaskReLU, ConvBiasReLU, ConvFrozenScaleBiasReLU
 
-import torch
-
-from apex.contrib.conv_bias_relu import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_conv_bias_relu.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["ConvBias", "ConvBiasMaskReLU", "ConvBiasReLU", "ConvFrozenScaleBiasReLU"]
