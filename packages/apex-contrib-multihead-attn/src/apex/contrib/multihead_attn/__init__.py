@@ -1,25 +1,17 @@
-"""apex.contrib.multihead_attn: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.multihead_attn: upstream Apex's multi-head attention modules, on public torch ops.
 
-Importing it registers its ops (``torch.ops.apex_contrib_multihead_attn.*``).
+- ``SelfMultiheadAttn``, ``EncdecMultiheadAttn``: time-major ``[T, B, E]`` attention with upstream's
+  parameters, masks and optional pre-LayerNorm + residual add; ``impl="fast"`` runs
+  ``torch.nn.functional.scaled_dot_product_attention``, ``impl="default"`` explicit softmax.
+- ``fast_mask_softmax_dropout_func``: masked softmax + dropout of ``[batch * heads, Tq, Tk]`` scores.
+
+Upstream's extension module ``fast_multihead_attn`` is installed as a top-level module too.
 """
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.multihead_attn.encdec_multihead_attn import EncdecMultiheadAttn
+from apex.contrib.multihead_attn.mask_softmax_dropout_func import fast_mask_softmax_dropout_func
+from apex.contrib.multihead_attn.self_multihead_attn import SelfMultiheadAttn
 
-from apex.contrib.multihead_attn import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_multihead_attn.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["EncdecMultiheadAttn", "SelfMultiheadAttn", "fast_mask_softmax_dropout_func"]

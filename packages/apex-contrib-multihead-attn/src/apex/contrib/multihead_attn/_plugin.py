@@ -1,6 +1,5 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.multihead_attn", sources=())
+# No dispatcher ops of its own and nothing to compile: the attention is composed of public torch ops
+# (linear, scaled_dot_product_attention, softmax, dropout), whose CUDA kernels torch provides.
 PLUGIN = Plugin.of_package("contrib.multihead_attn")
