@@ -1,25 +1,11 @@
-"""apex.contrib.groupbn: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.groupbn: ``BatchNorm2d_NHWC``, batch norm of an ``(N, H, W, C)`` tensor with an optional
+fused residual add + ReLU and statistics shared by groups of ranks, as upstream Apex.
 
-Importing it registers its ops (``torch.ops.apex_contrib_groupbn.*``).
+Built on apex-parallel's SyncBatchNorm kernels (``torch.ops.apex_parallel``) and
+``torch.distributed`` process groups; ``group_sync`` holds the composition, which
+apex-contrib-cudnn-gbn shares. Upstream's ``bnp`` extension is the top-level module ``bnp``.
 """
 
-from __future__ import annotations
+from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC
 
-import torch
-
-from apex.contrib.groupbn import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_groupbn.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["BatchNorm2d_NHWC"]
