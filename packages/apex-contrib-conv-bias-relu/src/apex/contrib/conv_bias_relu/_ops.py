@@ -103,8 +103,8 @@ def _check_conv(a) -> tuple[int, ...]:
     sizes = [output_size(x.shape[d], w.shape[d], a.padding, a.stride) for d in (2, 3)]
     if min(sizes) < 1 or min(w.shape[2:]) < 1:
         raise ValueError(
-            f"{op}: the kernel {tuple(w.shape[2:])} does not fit x's padded input: H, W {tuple(x.shape[2:])} "
-            f"with padding {a.padding}"
+            f"{op}: weight's kernel {tuple(w.shape[2:])} does not fit x's input (H, W) {tuple(x.shape[2:])} "
+            f"padded by {a.padding}"
         )
     return (x.shape[0], w.shape[0], *sizes)
 
