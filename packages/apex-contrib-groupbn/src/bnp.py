@@ -209,4 +209,3 @@ def get_remote_data_ptr(handle, offset):
 
 def close_remote_data(handle):
     raise NotImplementedError(_NO_IPC.format("close_remote_data"))
-

@@ -3,11 +3,11 @@ and a ReLU, with statistics optionally shared by groups of ranks (upstream's ``g
 
 from __future__ import annotations
 
+import bnp
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-import bnp
 from apex.contrib.groupbn.group_sync import GroupBatchNormFunction, consecutive_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -42,7 +42,7 @@ def _multiprocessors() -> int:
     return 1
 
 
-class BatchNorm2d_NHWC(_BatchNorm):  # noqa: N801  (upstream's name)
+class BatchNorm2d_NHWC(_BatchNorm):
     r"""Batch norm over an NHWC tensor, ``y = relu(bn(x) + z)`` when fused, as upstream Apex's groupbn.
 
     ``forward(x, z=None)`` takes ``x`` of **shape** ``(N, H, W, C)`` (the channels in the last
