@@ -52,8 +52,7 @@ def check_masks(name, query_len, key_len, batch, key_padding_mask, attn_mask, ma
             raise ValueError(f"{name}: attn_mask (upstream's time mask) is not supported with mask_additive=True")
         if attn_mask.dtype not in _INTEGER_MASK_DTYPES:
             raise TypeError(
-                f"{name}: attn_mask has dtype {attn_mask.dtype}; expected torch.bool or torch.uint8 "
-                "(nonzero = masked)"
+                f"{name}: attn_mask has dtype {attn_mask.dtype}; expected torch.bool or torch.uint8 (nonzero = masked)"
             )
         if tuple(attn_mask.shape) != (query_len, key_len):
             raise ValueError(
@@ -132,7 +131,8 @@ def check_activation(name, arg, x, embed_dim, batch=None, device=None):
         raise TypeError(f"{name}: {arg} has dtype {x.dtype}; expected a floating point dtype")
     if x.dim() != 3 or x.shape[2] != embed_dim:
         raise ValueError(
-            f"{name}: {arg} has shape {tuple(x.shape)}; expected time-major [T, B, embed_dim] with embed_dim={embed_dim}"
+            f"{name}: {arg} has shape {tuple(x.shape)}; expected time-major [T, B, embed_dim] "
+            f"with embed_dim={embed_dim}"
         )
     if batch is not None and x.shape[1] != batch:
         raise ValueError(f"{name}: {arg} has batch size {x.shape[1]}, the query {batch}")
@@ -151,9 +151,7 @@ def check_dtype_matches(name, x, weight):
 
 def check_construction(name, embed_dim, num_heads, dropout, impl):
     if embed_dim <= 0 or num_heads <= 0 or embed_dim % num_heads != 0:
-        raise ValueError(
-            f"{name}: embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})"
-        )
+        raise ValueError(f"{name}: embed_dim ({embed_dim}) must be a positive multiple of num_heads ({num_heads})")
     if not 0.0 <= dropout < 1.0:  # false for NaN too
         raise ValueError(f"{name}: dropout must be in [0, 1), got {dropout}")
     if impl not in ("fast", "default"):

@@ -46,7 +46,9 @@ class EncdecMultiheadAttn(nn.Module):
         super().__init__()
         _attention.check_construction(_NAME, embed_dim, num_heads, dropout, impl)
         if bias and impl == "fast":
-            raise ValueError(f"{_NAME}: bias=True is not supported with impl='fast' (upstream's rule); use impl='default'")
+            raise ValueError(
+                f"{_NAME}: bias=True is not supported with impl='fast' (upstream's rule); use impl='default'"
+            )
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.dropout = dropout
@@ -59,7 +61,11 @@ class EncdecMultiheadAttn(nn.Module):
         self.in_proj_weight_q = nn.Parameter(torch.empty(embed_dim, embed_dim))
         self.in_proj_weight_kv = nn.Parameter(torch.empty(2 * embed_dim, embed_dim))
         self.out_proj_weight = nn.Parameter(torch.empty(embed_dim, embed_dim))
-        for name, width in (("in_proj_bias_q", embed_dim), ("in_proj_bias_kv", 2 * embed_dim), ("out_proj_bias", embed_dim)):
+        for name, width in (
+            ("in_proj_bias_q", embed_dim),
+            ("in_proj_bias_kv", 2 * embed_dim),
+            ("out_proj_bias", embed_dim),
+        ):
             self.register_parameter(name, nn.Parameter(torch.empty(width)) if bias else None)
         self.lyr_nrm = None
         if include_norm_add:
