@@ -241,7 +241,11 @@ BAD_INPUT = {  # case: (changes to the good arguments, error, message)
     "bias shape 2-d": ({"bias": lambda d: torch.randn(1, 3, device=d)}, ValueError, "bias must have shape"),
     "negative padding": ({"padding": -1}, ValueError, "padding must be >= 0"),
     "zero stride": ({"stride": 0}, ValueError, "stride must be >= 1"),
-    "kernel too large": ({"x": lambda d: torch.randn(2, 4, 1, 6, device=d), "padding": 0}, ValueError, "weight's kernel .* does not fit x"),
+    "kernel too large": (
+        {"x": lambda d: torch.randn(2, 4, 1, 6, device=d), "padding": 0},
+        ValueError,
+        "weight's kernel .* does not fit x",
+    ),
 }
 
 
@@ -261,13 +265,13 @@ def test_bad_input_raises_naming_the_argument(device, case, function):
 
 def test_bad_mask_and_scale(device):
     a = _good(device)
-    with pytest.raises(ValueError, match="^conv_bias_mask_relu_forward: mask must have the output's shape"):
+    with pytest.raises(ValueError, match=r"^conv_bias_mask_relu_forward: mask must have the output's shape"):
         ConvBiasMaskReLU(a["x"], a["weight"], a["bias"], torch.ones(2, 3, 5, 6, dtype=torch.int8, device=device), 1, 1)
-    with pytest.raises(TypeError, match="^conv_bias_mask_relu_forward: mask has dtype torch.int32"):
+    with pytest.raises(TypeError, match=r"^conv_bias_mask_relu_forward: mask has dtype torch\.int32"):
         ConvBiasMaskReLU(a["x"], a["weight"], a["bias"], torch.ones(2, 3, 6, 6, dtype=torch.int32, device=device), 1, 1)
     with pytest.raises(ValueError, match=r"^conv_frozen_scale_bias_relu_forward: scale must have shape \(1, 3, 1, 1\)"):
         ConvFrozenScaleBiasReLU(a["x"], a["weight"], torch.ones(2, device=device), a["bias"], 1, 1)
-    with pytest.raises(ValueError, match="^conv_bias_relu_backward: grad_out must have the output's shape"):
+    with pytest.raises(ValueError, match=r"^conv_bias_relu_backward: grad_out must have the output's shape"):
         fused_conv_bias_relu.backward([a["x"], a["weight"], torch.ones(2, 3, 6, 6), torch.ones(2, 3, 5, 5)], 1, 1)
 
 
@@ -365,7 +369,9 @@ def test_legacy_module_matches_the_functions(device, dtype):
     legacy_out = fused_conv_bias_relu.forward_cscale_cbias_relu([c.x, c.weight, c.scale, c.bias], p, s)
     assert isinstance(legacy_out, torch.Tensor)
     same(legacy_out, out)
-    legacy_grads = fused_conv_bias_relu.backward_cscale_cbias_relu([c.x, c.weight, c.scale, legacy_out, c.grad_out], p, s)
+    legacy_grads = fused_conv_bias_relu.backward_cscale_cbias_relu(
+        [c.x, c.weight, c.scale, legacy_out, c.grad_out], p, s
+    )
     assert len(legacy_grads) == 2
     for got, expected in zip(legacy_grads, grads, strict=True):
         same(got, expected)
@@ -393,15 +399,17 @@ def test_upstream_setting_matches_nn_conv2d(function):
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.float16):
             bias = conv.bias.reshape(1, -1, 1, 1)
-            if ours:
-                out = {"relu": lambda: ConvBiasReLU(xi, conv.weight, bias, 1, 2),
-                       "bias": lambda: ConvBias(xi, conv.weight, bias, 1, 2),
-                       "mask": lambda: ConvBiasMaskReLU(xi, conv.weight, bias, mask, 1, 2)}[function]()  # fmt: skip
+            if ours and function == "relu":
+                out = ConvBiasReLU(xi, conv.weight, bias, 1, 2)
+            elif ours and function == "bias":
+                out = ConvBias(xi, conv.weight, bias, 1, 2)
+            elif ours:
+                out = ConvBiasMaskReLU(xi, conv.weight, bias, mask, 1, 2)
             else:
                 out = conv(xi)
                 out = out if function == "bias" else F.relu(out * mask if function == "mask" else out)
-        (out.float() ** 2).sum().div(out.numel()).backward()
+        (out.float() ** 2).sum().backward()
         grads.append((out.float(), xi.grad, conv.weight.grad.clone(), conv.bias.grad.clone()))
-    for got, expected in zip(*grads):
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    for got, expected in zip(*grads):  # float16 outputs, float16 gradients: a few float16 steps of the largest
+        torch.testing.assert_close(got, expected, rtol=4e-3, atol=4e-3 * expected.abs().max().item())
     assert grads[0][0].is_contiguous(memory_format=torch.channels_last)

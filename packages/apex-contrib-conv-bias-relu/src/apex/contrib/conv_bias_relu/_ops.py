@@ -171,9 +171,7 @@ def _no_autocast(device: torch.device):
 
 
 def _conv(a, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.ops.aten.convolution(
-        a.x, weight, bias, [a.stride] * 2, [a.padding] * 2, [1, 1], False, [0, 0], 1
-    )
+    out = torch.ops.aten.convolution(a.x, weight, bias, [a.stride] * 2, [a.padding] * 2, [1, 1], False, [0, 0], 1)
     return out.contiguous(memory_format=_memory_format(a.x))
 
 
@@ -232,8 +230,7 @@ def conv_bias_relu_forward(a):
 
 @op(
     KERNELS,
-    "conv_bias_mask_relu_forward(Tensor x, Tensor weight, Tensor bias, Tensor mask, int padding, int stride) "
-    "-> Tensor",
+    "conv_bias_mask_relu_forward(Tensor x, Tensor weight, Tensor bias, Tensor mask, int padding, int stride) -> Tensor",
     check=_check_forward,
     fake=_forward_fake,
 )
@@ -271,8 +268,7 @@ def conv_bias_relu_backward(a):
 
 @op(
     KERNELS,
-    "conv_bias_backward(Tensor x, Tensor weight, Tensor grad_out, int padding, int stride) "
-    "-> (Tensor, Tensor, Tensor)",
+    "conv_bias_backward(Tensor x, Tensor weight, Tensor grad_out, int padding, int stride) -> (Tensor, Tensor, Tensor)",
     check=_check_bias_backward,
     fake=_grads_fake,
 )
@@ -351,7 +347,7 @@ def _mask_backward(ctx, grad_out):
 
 
 def _scale_setup_context(ctx, inputs, output) -> None:
-    x, weight, scale, bias, padding, stride = inputs
+    x, weight, scale, _bias, padding, stride = inputs
     ctx.save_for_backward(x, weight, scale, output)
     ctx.padding, ctx.stride = padding, stride
 

@@ -36,12 +36,10 @@ def _autocast(x: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
     if not torch.is_autocast_enabled(device_type):
         return [x, *tensors]
     dtype = torch.get_autocast_dtype(device_type)
-    return [
-        t.to(dtype) if t.is_floating_point() and t.device.type == device_type else t for t in (x, *tensors)
-    ]
+    return [t.to(dtype) if t.is_floating_point() and t.device.type == device_type else t for t in (x, *tensors)]
 
 
-def ConvBiasReLU(x, weight, bias, padding: int, stride: int) -> torch.Tensor:  # noqa: N802 (upstream's name)
+def ConvBiasReLU(x, weight, bias, padding: int, stride: int) -> torch.Tensor:
     """``relu(conv2d(x, weight, padding=padding, stride=stride) + bias)``.
 
     Args:
@@ -57,13 +55,13 @@ def ConvBiasReLU(x, weight, bias, padding: int, stride: int) -> torch.Tensor:  #
     return _ops.conv_bias_relu(x, weight, bias, padding, stride)
 
 
-def ConvBias(x, weight, bias, padding: int, stride: int) -> torch.Tensor:  # noqa: N802
+def ConvBias(x, weight, bias, padding: int, stride: int) -> torch.Tensor:
     """``conv2d(x, weight, padding=padding, stride=stride) + bias``; arguments as :func:`ConvBiasReLU`."""
     x, weight, bias = _autocast(x, weight, bias)
     return _ops.conv_bias(x, weight, bias, padding, stride)
 
 
-def ConvBiasMaskReLU(x, weight, bias, mask, padding: int, stride: int) -> torch.Tensor:  # noqa: N802
+def ConvBiasMaskReLU(x, weight, bias, mask, padding: int, stride: int) -> torch.Tensor:
     """``relu((conv2d(x, weight, padding=padding, stride=stride) + bias) * mask)``.
 
     ``mask`` has the output's shape ``[N, K, P, Q]``, dtype int8 (upstream's), uint8, bool or x's
@@ -73,7 +71,7 @@ def ConvBiasMaskReLU(x, weight, bias, mask, padding: int, stride: int) -> torch.
     return _ops.conv_bias_mask_relu(x, weight, bias, mask, padding, stride)
 
 
-def ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding: int, stride: int) -> torch.Tensor:  # noqa: N802
+def ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding: int, stride: int) -> torch.Tensor:
     """``relu(conv2d(x, weight, padding=padding, stride=stride) * scale + bias)``: a convolution
     followed by a frozen batch norm folded into a per-channel ``scale`` and ``bias``.
 
