@@ -1,129 +1,169 @@
-"""apex.contrib.cudnn_gbn's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""apex.contrib.cudnn_gbn.GroupBatchNorm2d and cudnn_gbn_lib against a float64 torch batch norm, one
+process (the CPU, and CUDA marked gpu): output, gradients, statistics, eval, autocast, errors."""
 
 from __future__ import annotations
 
-import math
-
+import cudnn_gbn_lib
 import pytest
 import torch
+import torch.nn.functional as F
 
-from apex.contrib.cudnn_gbn import _ops, scale
+from apex.contrib.cudnn_gbn import GroupBatchNorm2d
+from apex.contrib.cudnn_gbn import batch_norm as batch_norm_module
+
+from ._reference import close, reference_step
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
+CL = torch.channels_last
+# (N, C, H, W): ordinary, N=1, H*W=1, C odd and not a multiple of 8 (upstream requires a multiple of 8).
+SHAPES = [(4, 16, 5, 6), (1, 7, 2, 3), (3, 13, 1, 1), (2, 20, 7, 3)]
 
 
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+def make(shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 1.5 + 0.4).to(dtype)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    weight = torch.rand(shape[1], generator=g) + 0.5
+    bias = torch.randn(shape[1], generator=g)
+    return x.to(device, memory_format=CL), dy.to(device, memory_format=CL), weight, bias
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+def module_with(weight, bias, device, **kwargs):
+    m = GroupBatchNorm2d(weight.numel(), 1, **kwargs).to(device)
+    if m.affine:
+        with torch.no_grad():
+            m.weight.copy_(weight)
+            m.bias.copy_(bias)
+    return m
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
-
-
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_training_step_matches_float64(device, dtype, shape):
+    x, dy, weight, bias = make(shape, dtype, device)
+    m = module_with(weight, bias, device)
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    assert (y.shape, y.dtype, y.device) == (x.shape, x.dtype, x.device)
+    assert y.is_contiguous(memory_format=CL)
+    y.backward(dy)
+    c = shape[1]
+    rm, rv = torch.zeros(c, dtype=torch.float64), torch.ones(c, dtype=torch.float64)
+    ref = reference_step(x.cpu(), dy.cpu(), weight, bias, rm, rv)
+    close(y, ref["y"], dtype, "y")
+    close(xr.grad, ref["dx"], dtype, "grad x")
+    close(m.weight.grad, ref["dweight"], dtype, "grad weight")
+    close(m.bias.grad, ref["dbias"], dtype, "grad bias")
+    close(m.running_mean, rm, dtype, "running_mean")
+    close(m.running_var, rv, dtype, "running_var")
+    close(m.minibatch_mean, ref["mean"], dtype, "minibatch_mean")
+    close(m.minibatch_inv_var, ref["invstd"], dtype, "minibatch_inv_var")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_running_statistics_after_several_steps_and_eval(device, momentum):
+    shape = (3, 11, 4, 5)
+    _, _, weight, bias = make(shape, torch.float32, device)
+    m = module_with(weight, bias, device, momentum=momentum)
+    rm, rv = torch.zeros(11, dtype=torch.float64), torch.ones(11, dtype=torch.float64)
+    for step in range(4):
+        x = make(shape, torch.float32, device, seed=10 + step)[0]
+        m(x)
+        factor = 1.0 / (step + 1) if momentum is None else momentum
+        F.batch_norm(x.double().cpu(), rm, rv, None, None, True, factor, 1e-5)
+    assert m.num_batches_tracked.item() == 4
+    close(m.running_mean, rm, torch.float32, "running_mean")
+    close(m.running_var, rv, torch.float32, "running_var")
+    m.eval()
+    x = make(shape, torch.float32, device, seed=99)[0]
+    expected = F.batch_norm(x.double().cpu(), rm, rv, weight.double(), bias.double(), False, 0.0, 1e-5)
+    close(m(x), expected, torch.float32, "eval y")
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
+def test_without_affine_or_running_statistics(device):
+    x, dy, weight, bias = make((3, 9, 2, 4), torch.float32, device)
+    m = module_with(weight, bias, device, affine=False, track_running_stats=False)
+    assert m.weight is None and m.running_mean is None
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    y.backward(dy)
+    xd = x.double().cpu().requires_grad_()
+    ref = F.batch_norm(xd, None, None, None, None, True, 0.1, 1e-5)
+    (dx,) = torch.autograd.grad(ref, xd, dy.double().cpu())
+    close(y, ref, torch.float32, "y")
+    close(xr.grad, dx, torch.float32, "grad x")
+    m.eval()  # no running statistics: the batch's, as the argument's documentation says
+    close(m(x), ref, torch.float32, "eval y")
 
 
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
+def test_autocast_casts_the_input():
+    x, dy, weight, bias = make((2, 8, 3, 3), torch.float32, "cpu")
+    m = module_with(weight, bias, "cpu")
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(xr)
+    assert y.dtype == torch.bfloat16 and m.weight.dtype == torch.float32
+    y.backward(dy.bfloat16())
+    assert xr.grad.dtype == torch.float32
+    rm, rv = torch.zeros(8, dtype=torch.float64), torch.ones(8, dtype=torch.float64)
+    ref = reference_step(x.bfloat16(), dy.bfloat16(), weight, bias, rm, rv)
+    close(y, ref["y"], torch.bfloat16, "y")
+    close(xr.grad, ref["dx"], torch.bfloat16, "grad x")
 
 
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
+def test_module_as_upstream():
+    m = GroupBatchNorm2d(24, 1)
+    assert isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    assert set(m.state_dict()) == set(torch.nn.BatchNorm2d(24).state_dict())
+    assert (m.group_size, m.group_id, m.group_rank, m.eps, m.momentum) == (1, 0, 0, 1e-5, 0.1)
+    assert m.minibatch_mean.shape == m.minibatch_inv_var.shape == (24,)
+    assert batch_norm_module.GroupBatchNorm2d is GroupBatchNorm2d
+
+
+BAD_INPUT = {  # case: (input, message); upstream's messages where upstream raises
+    "3-d input": (lambda: torch.randn(2, 8, 9), r"^expected 4D input \(got 3D input\)"),
+    "contiguous NCHW": (
+        lambda: torch.randn(2, 8, 3, 3),
+        "^GroupBatchNorm2d expected input tensor to be in channels last",
+    ),
+    "float64": (
+        lambda: torch.randn(2, 8, 3, 3, dtype=torch.float64).to(memory_format=CL),
+        "^GroupBatchNorm2d expected input tensor in float16, bfloat16 or float32",
+    ),
+    "channels": (lambda: torch.randn(2, 6, 3, 3).to(memory_format=CL), "^GroupBatchNorm2d: input has 6 channels"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+def test_bad_input_raises_as_upstream(case):
+    make_input, message = BAD_INPUT[case]
+    with pytest.raises(ValueError, match=message):
+        GroupBatchNorm2d(8, 1)(make_input())
+
+
+def test_bad_group_size():
+    with pytest.raises(RuntimeError, match=r"torch\.distributed\.init_process_group"):
+        GroupBatchNorm2d(8, 2)
+    with pytest.raises(ValueError, match="group size must be a positive int"):
+        GroupBatchNorm2d(8, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
-
-
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
-
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
-
-
-@pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_legacy_module_matches_the_class(device, dtype):
+    x, dy, weight, bias = make((3, 10, 4, 3), dtype, device)
+    m = module_with(weight, bias, device)
+    xr = x.clone().requires_grad_()
+    y_module = m(xr)
+    y_module.backward(dy)
+    w, b = weight.to(device), bias.to(device)
+    rm, rv = torch.zeros(10, device=device), torch.ones(10, device=device)
+    mean, inv_var = torch.empty(10, device=device), torch.empty(10, device=device)
+    y = cudnn_gbn_lib.forward(x, w, b, rm, rv, mean, inv_var, 0.1, 1e-5, 1, 0, [])
+    dx, dscale, dbias = cudnn_gbn_lib.backward(x, dy, w, mean, inv_var, 1e-5, 1, 0, [])
+    assert y.is_contiguous(memory_format=CL) and dx.shape == x.shape
+    for got, expected in ((y, y_module), (dx, xr.grad), (dscale, m.weight.grad), (dbias, m.bias.grad)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for got, expected in ((rm, m.running_mean), (rv, m.running_var), (mean, m.minibatch_mean)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^cudnn_gbn_lib\.backward: dy must be a 4-D"):
+        cudnn_gbn_lib.backward(x, dy[0], w, mean, inv_var, 1e-5, 1, 0, [])

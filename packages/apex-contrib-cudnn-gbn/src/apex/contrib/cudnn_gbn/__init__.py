@@ -1,25 +1,11 @@
-"""apex.contrib.cudnn_gbn: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.cudnn_gbn: ``GroupBatchNorm2d``, batch norm of a channels_last ``(N, C, H, W)`` tensor
+whose training statistics cover groups of consecutive ranks, as upstream Apex.
 
-Importing it registers its ops (``torch.ops.apex_contrib_cudnn_gbn.*``).
+Built on apex-parallel's SyncBatchNorm kernels (``torch.ops.apex_parallel``) and ``torch.distributed``
+process groups, through apex-contrib-groupbn's ``group_sync``; upstream's extension module is the
+top-level ``cudnn_gbn_lib``.
 """
 
-from __future__ import annotations
+from apex.contrib.cudnn_gbn.batch_norm import GroupBatchNorm2d
 
-import torch
-
-from apex.contrib.cudnn_gbn import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_cudnn_gbn.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["GroupBatchNorm2d"]

@@ -1,6 +1,5 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.cudnn_gbn", sources=())
-PLUGIN = Plugin.of_package("contrib.cudnn_gbn")
+# No ops of its own and nothing to compile: GroupBatchNorm2d runs on apex-parallel's SyncBatchNorm
+# kernels (torch.ops.apex_parallel) through apex-contrib-groupbn's group_sync composition.
+PLUGIN = Plugin.of_package("contrib.cudnn_gbn", requires=("apex-core", "apex-parallel", "apex-contrib-groupbn"))
