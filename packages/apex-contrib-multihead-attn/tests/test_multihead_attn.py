@@ -437,21 +437,27 @@ def test_torch_compile_fullgraph_with_dropout_and_norm_add(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_bert_shape_on_gpu_against_float64(dtype):
+def test_bert_shape_on_gpu_against_float64(impl, dtype):
+    # flash / memory-efficient kernels at a real shape, with a padding mask
     torch.manual_seed(7)
-    module = SelfMultiheadAttn(1024, 16, bias=True).to(device="cuda", dtype=dtype)
+    module = randomize(SelfMultiheadAttn(1024, 16, bias=True, impl=impl)).to(device="cuda", dtype=dtype)
     x = torch.randn(128, 4, 1024, device="cuda", dtype=dtype)
-    out, _ = module(x, x, x, is_training=False)
-    expected = self_reference(module.cpu(), x.cpu(), {})
-    torch.testing.assert_close(out.double().cpu(), expected, rtol=0.02, atol=0.02)
+    kwargs, ref_masks = make_masks("padding-bool", 128, 128, 4, "cuda")
+    out, _ = module(x, x, x, is_training=False, **kwargs)
+    w_in, b_in = module.in_proj_weight.cpu(), module.in_proj_bias.cpu()
+    expected = self_attention(
+        x.cpu(), w_in, b_in, module.out_proj_weight.cpu(), module.out_proj_bias.cpu(), 16, **ref_masks
+    )
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double().cpu(), expected, rtol=8 * eps, atol=8 * eps)
 
 
-@pytest.mark.gpu
-def test_second_device_and_stream():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    module = SelfMultiheadAttn(E, H).to("cuda:1")
+@pytest.mark.multigpu
+def test_second_device():
+    # cuda:0 is current; the module and its input live on cuda:1
+    module = randomize(SelfMultiheadAttn(E, H, bias=True)).to("cuda:1")
     x = torch.randn(5, 2, E, device="cuda:1")
     out, _ = module(x, x, x)
     assert out.device == x.device
