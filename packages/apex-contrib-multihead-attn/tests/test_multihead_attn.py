@@ -203,6 +203,25 @@ def test_self_attention_matches_torch_multihead_attention(device, impl, mask, bi
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_separate_qkv_params_are_torch_multihead_attentions_blocks(device, impl):
+    # q_weight, k_weight, v_weight are plain [E, E] projections: torch's three in_proj blocks as they are
+    torch.manual_seed(8)
+    ours = SelfMultiheadAttn(E, H, bias=True, impl=impl, separate_qkv_params=True, mask_additive=True)
+    ours = randomize(ours).to(device)
+    theirs = torch.nn.MultiheadAttention(E, H, bias=True).to(device)
+    with torch.no_grad():
+        theirs.in_proj_weight.copy_(torch.cat([ours.q_weight, ours.k_weight, ours.v_weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.q_bias, ours.k_bias, ours.v_bias]))
+        theirs.out_proj.weight.copy_(ours.out_proj_weight)
+        theirs.out_proj.bias.copy_(ours.out_proj_bias)
+    x = torch.randn(6, 3, E, device=device)
+    mask = torch.randn(3, 6, device=device)  # torch reads a float key_padding_mask as additive too
+    out, _ = ours(x, x, x, key_padding_mask=mask)
+    expected, _ = theirs(x, x, x, key_padding_mask=mask, need_weights=False)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_encdec_attention_matches_torch_multihead_attention(device, impl):
     torch.manual_seed(3)
     tq, tk, batch = 4, 7, 3
