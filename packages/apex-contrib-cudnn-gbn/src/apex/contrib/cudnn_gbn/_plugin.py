@@ -2,4 +2,8 @@ from apex.core.descriptors import Plugin
 
 # No ops of its own and nothing to compile: GroupBatchNorm2d runs on apex-parallel's SyncBatchNorm
 # kernels (torch.ops.apex_parallel) through apex-contrib-groupbn's group_sync composition.
-PLUGIN = Plugin.of_package("contrib.cudnn_gbn", requires=("apex-core", "apex-parallel", "apex-contrib-groupbn"))
+PLUGIN = Plugin.of_package(
+    "contrib.cudnn_gbn",
+    provides=("apex.contrib.cudnn_gbn", "cudnn_gbn_lib"),
+    requires=("apex-core", "apex-parallel", "apex-contrib-groupbn"),
+)
