@@ -237,6 +237,8 @@ def test_bad_input():
         fma.self_attn_forward(True, False, True, H, x, wi, wo, torch.zeros(T, B, dtype=torch.uint8), 0.1)
     with pytest.raises(ValueError, match=r"^mask_softmax_dropout_forward: heads \(5\) must divide"):
         fma.mask_softmax_dropout_forward(False, True, 5, rand(12, 3, 3), None, 0.1)
+    with pytest.raises(ValueError, match=r"^self_attn_forward: dropout_prob must be in \[0, 1\), got 1.5"):
+        fma.self_attn_forward(False, False, True, H, x, wi, wo, None, 1.5)
 
 
 def test_module_exports_upstreams_functions():

@@ -75,12 +75,12 @@ def additive_softmax(name, bmm1_results, heads, pad_mask):
     return torch.softmax(_apply_mask(name, _compute(bmm1_results), int(heads), True, False, pad_mask, True), dim=-1)
 
 
-def _dropout(probs, is_training, dropout_prob):
+def _dropout(name, probs, is_training, dropout_prob):
     """``(dropped, keep mask uint8)``; without training the probabilities themselves and all ones."""
     if not is_training:
         return probs, torch.ones(probs.shape, dtype=torch.uint8, device=probs.device)
     if not 0.0 <= dropout_prob < 1.0:
-        raise ValueError(f"dropout_prob must be in [0, 1), got {dropout_prob}")
+        raise ValueError(f"{name}: dropout_prob must be in [0, 1), got {dropout_prob}")
     keep = torch.empty(probs.shape, dtype=torch.uint8, device=probs.device).bernoulli_(1.0 - dropout_prob)
     return probs * keep / (1.0 - dropout_prob), keep
 
@@ -99,7 +99,7 @@ def _core_forward(name, q, k, v, heads, use_mask, use_time_mask, pad_mask, addit
     scale = q.shape[-1] ** -0.5
     bmm1 = torch.bmm(q.transpose(0, 1), k.permute(1, 2, 0)) * scale
     probs = torch.softmax(_apply_mask(name, bmm1, heads, use_mask, use_time_mask, pad_mask, additive), dim=-1)
-    dropped, keep = _dropout(probs, is_training, dropout_prob)
+    dropped, keep = _dropout(name, probs, is_training, dropout_prob)
     context = torch.bmm(dropped, v.transpose(0, 1)).transpose(0, 1)
     return bmm1, probs, dropped, keep, context
 
@@ -203,7 +203,7 @@ def attention_forward(
         matmul2_results=context.to(dtype),
     )
     if norm is not None:
-        dropped_out, add_keep = _dropout(out, is_training, dropout_prob)
+        dropped_out, add_keep = _dropout(name, out, is_training, dropout_prob)
         saved["dropout_add_mask"] = add_keep
         out = _compute(inputs_q) + dropped_out
     saved["outputs"] = out.to(dtype)
@@ -292,7 +292,7 @@ def softmax_dropout_forward(name, use_mask, is_training, heads, inputs, pad_mask
         raise ValueError(f"{name}: heads ({heads}) must divide input's first dimension ({inputs.shape[0]})")
     x = _compute(inputs)
     probs = torch.softmax(_apply_mask(name, x, heads, use_mask, False, pad_mask, additive), dim=-1)
-    dropped, keep = _dropout(probs, is_training, dropout_prob)
+    dropped, keep = _dropout(name, probs, is_training, dropout_prob)
     return [dropped.to(inputs.dtype), keep, probs.to(inputs.dtype)]
 
 
