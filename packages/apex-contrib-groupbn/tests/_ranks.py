@@ -21,6 +21,15 @@ def full_data(batches, hwc, seed):
     return x, x2, z, dy, weight, bias
 
 
+def _device():
+    """This rank's device: its GPU under NCCL (run_ranks made it current), else the CPU."""
+    return "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+
+
+def _cpu(result):
+    return {k: None if v is None else v.detach().cpu() for k, v in result.items()}
+
+
 def rows(batches, rank):
     start = sum(batches[:rank])
     return slice(start, start + batches[rank])
@@ -30,8 +39,10 @@ def module_step(rank, group_size, batches, hwc, seed, relu):
     """One training step (forward, backward), a second forward, then eval, of BatchNorm2d_NHWC."""
     from apex.contrib.groupbn import BatchNorm2d_NHWC
 
-    x, x2, z, dy, weight, bias = (t[rows(batches, rank)] if t.dim() == 4 else t for t in full_data(batches, hwc, seed))
-    m = BatchNorm2d_NHWC(hwc[-1], fuse_relu=relu, bn_group=group_size)
+    device = _device()
+    data = full_data(batches, hwc, seed)
+    x, x2, z, dy, weight, bias = ((t[rows(batches, rank)] if t.dim() == 4 else t).to(device) for t in data)
+    m = BatchNorm2d_NHWC(hwc[-1], fuse_relu=relu, bn_group=group_size).to(device)
     with torch.no_grad():
         m.weight.copy_(weight)
         m.bias.copy_(bias)
@@ -44,30 +55,35 @@ def module_step(rank, group_size, batches, hwc, seed, relu):
     m.eval()
     with torch.no_grad():
         eval_y = m(x2, None if zz is None else z)
-    return {
-        "y": y.detach(),
-        "dx": x.grad,
-        "dz": None if zz is None else zz.grad,
-        "dweight": m.weight.grad,
-        "dbias": m.bias.grad,
-        "mean": mean,
-        "invstd": riv,
-        "running_mean": m.running_mean.clone(),
-        "running_var": m.running_var.clone(),
-        "eval_y": eval_y,
-    }
+    return _cpu(
+        {
+            "y": y.detach(),
+            "dx": x.grad,
+            "dz": None if zz is None else zz.grad,
+            "dweight": m.weight.grad,
+            "dbias": m.bias.grad,
+            "mean": mean,
+            "invstd": riv,
+            "running_mean": m.running_mean.clone(),
+            "running_var": m.running_var.clone(),
+            "eval_y": eval_y,
+        }
+    )
 
 
 def legacy_step(rank, group_size, batches, hwc, seed, relu):
     """The same first step through bnp's functions (upstream's argument orders)."""
     import bnp
 
-    x, _, z, dy, weight, bias = (t[rows(batches, rank)] if t.dim() == 4 else t for t in full_data(batches, hwc, seed))
+    device = _device()
+    data = full_data(batches, hwc, seed)
+    x, _, z, dy, weight, bias = ((t[rows(batches, rank)] if t.dim() == 4 else t).to(device) for t in data)
     c = hwc[-1]
-    rm, rv, mini_m, mini_riv = torch.zeros(c), torch.ones(c), torch.empty(c), torch.empty(c)
+    rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+    mini_m, mini_riv = torch.empty(c, device=device), torch.empty(c, device=device)
     ret_cta, magic = torch.zeros(8192, dtype=torch.uint8), torch.IntTensor([0])
     if relu:
-        bitmask = torch.empty(((x.numel() + 31) // 32) * 2, dtype=torch.int32)
+        bitmask = torch.empty(((x.numel() + 31) // 32) * 2, dtype=torch.int32, device=device)
         args = (rm, rv, mini_m, mini_riv, bitmask, ret_cta, MOMENTUM, EPS, None, None, None, None, group_size, magic)
         y = bnp.bn_addrelu_fwd_nhwc(x, z, weight, bias, *args, 2, 100, False)
         dx, dz, dweight, dbias = bnp.bn_addrelu_bwd_nhwc(x, dy, weight, bias, *args, 2, 100, False)
@@ -75,7 +91,7 @@ def legacy_step(rank, group_size, batches, hwc, seed, relu):
         args = (rm, rv, mini_m, mini_riv, ret_cta, MOMENTUM, EPS, False, None, None, None, None, group_size, magic)
         y = bnp.bn_fwd_nhwc(x, weight, bias, *args, 2, 100, False)
         (dx, dweight, dbias), dz = bnp.bn_bwd_nhwc(x, dy, weight, bias, *args, 2, 100, False), None
-    return {"y": y, "dx": dx, "dz": dz, "dweight": dweight, "dbias": dbias, "running_mean": rm, "running_var": rv}
+    return _cpu({"y": y, "dx": dx, "dz": dz, "dweight": dweight, "dbias": dbias, "running_mean": rm, "running_var": rv})
 
 
 def worker(rank, world, group_sizes, batches, hwc, seed, relu, legacy):

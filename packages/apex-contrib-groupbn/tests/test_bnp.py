@@ -57,11 +57,13 @@ def test_bn_fwd_and_bwd_match_float64_and_the_module(device, dtype, fuse_relu):
     xr = x.clone().requires_grad_()
     ym = m(xr)
     ym.backward(dy)
-    # The same ops in the same order: the legacy functions and the module agree exactly.
-    torch.testing.assert_close(ym, y, rtol=0, atol=0)
-    torch.testing.assert_close(xr.grad, dx, rtol=0, atol=0)
-    torch.testing.assert_close(m.weight.grad, dweight, rtol=0, atol=0)
-    torch.testing.assert_close(m.running_var, riv, rtol=0, atol=0)
+    # The same ops in the same order: the legacy functions and the module agree exactly on the CPU
+    # (on CUDA up to the reductions' order).
+    same = {"rtol": 0, "atol": 0} if device == "cpu" else {}
+    torch.testing.assert_close(ym, y, **same)
+    torch.testing.assert_close(xr.grad, dx, **same)
+    torch.testing.assert_close(m.weight.grad, dweight, **same)
+    torch.testing.assert_close(m.running_var, riv, **same)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

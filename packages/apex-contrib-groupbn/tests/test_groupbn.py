@@ -172,6 +172,23 @@ def test_one_value_per_channel_in_training_raises_as_torch():
     assert m(torch.randn(1, 1, 1, 7)).shape == (1, 1, 1, 7)
 
 
+@pytest.mark.parametrize("fuse_relu", [False, True])
+def test_empty_batch_as_torch(device, fuse_relu):
+    m = BatchNorm2d_NHWC(5, fuse_relu=fuse_relu).to(device)
+    with torch.no_grad():
+        m.running_mean.fill_(0.5)
+        m.running_var.fill_(2.0)
+    x = torch.randn(0, 3, 4, 5, device=device, requires_grad=True)
+    z = torch.randn(0, 3, 4, 5, device=device) if fuse_relu else None
+    y = m(x, z)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(m.weight.grad, torch.zeros(5, device=device))
+    # torch leaves the running statistics of an empty batch as they were.
+    assert torch.equal(m.running_mean, torch.full((5,), 0.5, device=device))
+    assert torch.equal(m.running_var, torch.full((5,), 2.0, device=device))
+
+
 def test_bad_constructor_arguments():
     with pytest.raises(ValueError, match="max_cta_per_sm must be positive"):
         BatchNorm2d_NHWC(8, max_cta_per_sm=0)
@@ -179,6 +196,21 @@ def test_bad_constructor_arguments():
         BatchNorm2d_NHWC(8, bn_group=2)
     with pytest.raises(ValueError, match="group size must be a positive int"):
         BatchNorm2d_NHWC(8, bn_group=0)
+
+
+def test_torch_compile_fullgraph(device):
+    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
+    x, z, dy, weight, bias = make((3, 4, 5, 12), torch.float32, device)
+    eager, compiled = (module_with(weight, bias, device, fuse_relu=True) for _ in range(2))
+    run = torch.compile(compiled, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    results = []
+    for fn, m in ((eager, eager), (run, compiled)):
+        xr, zr = x.clone().requires_grad_(), z.clone().requires_grad_()
+        y = fn(xr, zr)
+        results.append((y.detach(), *torch.autograd.grad(y, (xr, zr, m.weight, m.bias), dy)))
+        results[-1] += (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone())
+    for got, expected in zip(results[1], results[0]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

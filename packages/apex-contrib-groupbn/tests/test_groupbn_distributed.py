@@ -79,6 +79,14 @@ def test_four_ranks_module_and_legacy(relu):
         check(results, batches, group_size, 11, relu, "legacy")
 
 
+@pytest.mark.multigpu
+def test_two_gpus_nccl():
+    batches = [3, 2]
+    results = run_ranks(RANKS, "worker", 2, backend="nccl", args=([1, 2], batches, HWC, 13, True, True), timeout=240)
+    for group_size in (1, 2):
+        check(results, [3, 2], group_size, 13, True, "module")
+
+
 def test_group_size_must_divide_the_world():
     messages = run_ranks(RANKS, "bad_group_size", 2, timeout=120)
     assert all(m is not None and "not divisible by the group size 3" in m for m in messages)

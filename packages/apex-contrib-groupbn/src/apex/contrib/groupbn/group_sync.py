@@ -68,13 +68,16 @@ def forward_train(x, z, weight, bias, running_mean, running_var, momentum, eps, 
     ``mean``/``invstd`` are the group's batch statistics (float32; float64 for a float64 ``x``),
     ``counts`` the per-rank element counts that :func:`backward_train` takes. The running
     statistics, when given, are updated in place: ``(1 - momentum) * running + momentum * stat``,
-    with the unbiased variance.
+    with the unbiased variance (not by an empty batch on a single rank, as torch). One value per
+    channel on a single rank raises ValueError, as torch.
     """
     channels = x.shape[-1]
     local = x.numel() // channels if channels else 0
     if world == 1 and local == 1:
         # The unbiased variance of one value is 0/0: torch refuses it, and so do we (a group pools more).
         raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
+    if world == 1 and local == 0:
+        running_mean = running_var = None  # an empty batch leaves them, as torch
     mean, var = syncbn_ops.welford_mean_var_c_last(x)
     count = torch.full((1,), float(local), dtype=mean.dtype, device=x.device)
     if world > 1:
