@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -58,3 +59,12 @@ def test_four_ranks_module_and_legacy():
     for group_size in (1, 2, 4):
         check(results, batches, group_size, 9, "module")
         check(results, batches, group_size, 9, "legacy")
+
+
+@pytest.mark.multigpu
+def test_two_gpus_nccl():
+    batches = [2, 2]
+    results = run_ranks(RANKS, "worker", 2, backend="nccl", args=([1, 2], batches, CHW, 3, True), timeout=240)
+    for group_size in (1, 2):
+        check(results, batches, group_size, 3, "module")
+        check(results, batches, group_size, 3, "legacy")
