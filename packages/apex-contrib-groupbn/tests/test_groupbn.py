@@ -213,14 +213,17 @@ def test_torch_compile_fullgraph(device):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-def test_second_gpu_and_current_device():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
+@pytest.mark.multigpu
+def test_second_gpu():
+    # cuda:0 is current; the module and data live on cuda:1.
     x, z, dy, weight, bias = make((4, 3, 3, 16), torch.float16, "cuda:1")
     m = module_with(weight, bias, "cuda:1", fuse_relu=True)
-    y = m(x, z)
-    assert y.device == x.device
+    xr = x.clone().requires_grad_()
+    y = m(xr, z)
+    y.backward(dy)
+    assert y.device == xr.grad.device == x.device
     rm, rv = torch.zeros(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64)
     ref = reference_step(x.cpu(), z.cpu(), dy.cpu(), weight, bias, rm, rv, relu=True)
     close(y, ref["y"], torch.float16, "y")
+    close(xr.grad, ref["dx"], torch.float16, "grad x")
+    close(m.running_var, rv, torch.float16, "running_var")
