@@ -183,3 +183,19 @@ def test_legacy_module_matches_the_class(device, dtype):
         torch.testing.assert_close(got, expected, **same)
     with pytest.raises(ValueError, match=r"^cudnn_gbn_lib\.backward: dy must be a 4-D"):
         cudnn_gbn_lib.backward(x, dy[0], w, mean, inv_var, 1e-5, 1, 0, [])
+
+
+@pytest.mark.multigpu
+def test_second_gpu():
+    # cuda:0 is current; the module and data live on cuda:1.
+    x, dy, weight, bias = make((4, 16, 3, 3), torch.float16, "cuda:1")
+    m = module_with(weight, bias, "cuda:1")
+    xr = x.clone().requires_grad_()
+    y = m(xr)
+    y.backward(dy)
+    assert y.device == xr.grad.device == x.device
+    rm, rv = torch.zeros(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64)
+    ref = reference_step(x.cpu(), dy.cpu(), weight, bias, rm, rv)
+    close(y, ref["y"], torch.float16, "y")
+    close(xr.grad, ref["dx"], torch.float16, "grad x")
+    close(m.running_var, rv, torch.float16, "running_var")
