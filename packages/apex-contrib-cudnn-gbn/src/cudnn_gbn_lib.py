@@ -1,5 +1,5 @@
 """Upstream Apex's ``cudnn_gbn_lib`` extension module (contrib cudnn_gbn), on apex-parallel's
-SyncBatchNorm ops through apex-contrib-groupbn's ``group_sync``.
+SyncBatchNorm ops through apex-parallel's ``group_sync``.
 
 Upstream's names and argument orders; ``x``, ``dy`` and the outputs are ``(N, C, H, W)`` tensors
 (channels_last memory; others are made so); ``scale``/``bias`` and the statistics are per-channel:
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from apex.contrib.groupbn.group_sync import backward_train, consecutive_group, forward_train, local_counts
 from apex.core import __version__
+from apex.parallel.group_sync import backward_train, consecutive_group, forward_train, local_counts
 
 __all__ = ["__version__", "backward", "forward"]
 

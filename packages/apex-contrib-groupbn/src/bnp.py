@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from apex.contrib.groupbn.group_sync import backward_train, consecutive_group, forward_train, local_counts
 from apex.core import __version__
+from apex.parallel.group_sync import backward_train, consecutive_group, forward_train, local_counts
 
 __all__ = [
     "__version__",
@@ -194,7 +194,7 @@ def get_buffer_size(bn_sync_steps: int) -> int:
 
 _NO_IPC = (
     "bnp.{}: CUDA IPC buffers are not used here: BatchNorm2d_NHWC's bn_group synchronizes statistics "
-    "through a torch.distributed process group (apex.contrib.groupbn.group_sync), so there is no peer "
+    "through a torch.distributed process group (apex.parallel.group_sync), so there is no peer "
     "buffer to share"
 )
 

@@ -46,34 +46,98 @@ _MASKED_IN_REDUCE = _env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class SyncBatchNormFunction(torch.autograd.Function):
-    """Batch norm over the group on a contiguous input in one of the kernels' two layouts.
-
-    Forward: local Welford statistics, one all-gather of ``[mean, var, count]``, a
-    count-weighted merge (which also updates the running statistics), the normalization.
-    Backward: local ``sum_dy``/``sum_dy_xmu``, one all-reduce of both, the input gradient.
+def sync_batch_norm_forward(
+    input, z, weight, bias, running_mean, running_var, eps, momentum, group, world, c_last, relu
+):
+    """Training-mode batch norm whose statistics cover ``group`` (``world`` ranks; ``world`` 1: the
+    local batch, no communication) on a contiguous input in one of the kernels' two layouts
+    (``c_last``: channels in the last dimension; else in dimension 1), with ``z`` added and a ReLU
+    after it when ``relu`` (channels-last only). Returns ``(out, mean, invstd, counts)``: the group's
+    batch statistics and the per-rank element counts per channel, which
+    :func:`sync_batch_norm_backward` takes. Local Welford statistics, one all-gather of
+    ``[mean, var, count]``, a count-weighted merge (which also updates the running statistics,
+    when given, in place), the normalization. Every rank of ``group`` must call it.
     """
+    channels = input.shape[-1] if c_last else input.shape[1]
+    welford = _ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var
+    mean, var = welford(input)
+    local_count = input.numel() // channels if channels else 0
+    count = _count_tensor(local_count, input.device)
+    if world > 1:
+        local = torch.cat([mean, var, count])
+        gathered = local.new_empty((world * local.numel(),))
+        _all_gather(gathered, local, group=group)
+        gathered = gathered.view(world, local.numel())
+        means, vars_, count = gathered[:, :channels], gathered[:, channels : 2 * channels], gathered[:, -1]
+    else:
+        means, vars_ = mean.unsqueeze(0), var.unsqueeze(0)
+    mean, invstd = _ops.welford_parallel(means, vars_, count, eps, running_mean, running_var, momentum)
+    if c_last:
+        out = _ops.batch_norm_forward_c_last(input, z, mean, invstd, weight, bias, relu)
+    else:
+        out = _ops.batch_norm_forward(input, mean, invstd, weight, bias)
+    return out, mean, invstd, count
+
+
+def _all_reduce_sums(sum_dy, sum_dy_xmu, group, world):
+    if world == 1:
+        return sum_dy, sum_dy_xmu
+    sums = torch.cat([sum_dy, sum_dy_xmu])
+    dist.all_reduce(sums, group=group)
+    return sums[: sum_dy.numel()], sums[sum_dy.numel() :]
+
+
+def sync_batch_norm_backward(
+    grad_output, input, z, weight, bias, mean, invstd, counts, group, world, c_last, relu, input_grad, z_grad
+):
+    """``(grad_input, grad_z, grad_weight, grad_bias)`` of :func:`sync_batch_norm_forward`'s output.
+
+    ``grad_input`` is None unless ``input_grad``, ``grad_z`` (the ReLU-masked output gradient) unless
+    ``z_grad``; ``grad_weight``/``grad_bias`` are this rank's (the caller drops what it does not
+    need). With ``input_grad`` the two per-channel sums are all-reduced over ``group``: every rank of
+    it must call this. A fused ReLU's derivative is taken inside the reduction and the input
+    gradient's kernel (two passes over the tensors, not three); z's gradient comes from the second,
+    or, with ``_MASKED_IN_REDUCE``, from the first, which the second then reads instead of dy, x, z.
+    """
+    grad_output = grad_output.contiguous()
+    if relu and input_grad:
+        masked_first = z_grad and _MASKED_IN_REDUCE
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked = _ops.reduce_bn_relu_c_last(
+            grad_output, input, z, mean, invstd, weight, bias, masked_first
+        )
+        sum_dy, sum_dy_xmu = _all_reduce_sums(sum_dy, sum_dy_xmu, group, world)
+        if masked_first:
+            grad_z = masked
+            grad_input = _ops.batch_norm_backward_c_last(
+                masked, input, mean, invstd, weight, sum_dy, sum_dy_xmu, counts
+            )
+        else:
+            grad_input, grad_z = _ops.batch_norm_backward_relu_c_last(
+                grad_output, input, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, counts, z_grad
+            )
+        return grad_input, grad_z if z_grad else None, grad_weight, grad_bias
+    if relu:
+        grad_output = _ops.relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)
+    grad_z = grad_output if z_grad else None
+    reduce = _ops.reduce_bn_c_last if c_last else _ops.reduce_bn
+    sum_dy, sum_dy_xmu, grad_weight, grad_bias = reduce(grad_output, input, mean, invstd, weight)
+    grad_input = None
+    if input_grad:
+        sum_dy, sum_dy_xmu = _all_reduce_sums(sum_dy, sum_dy_xmu, group, world)
+        backward = _ops.batch_norm_backward_c_last if c_last else _ops.batch_norm_backward
+        grad_input = backward(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
+    return grad_input, grad_z, grad_weight, grad_bias
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Autograd of :func:`sync_batch_norm_forward` (``apply(input, z, weight, bias, running_mean,
+    running_var, eps, momentum, group, world, c_last, relu) -> out``)."""
 
     @staticmethod
     def forward(ctx, input, z, weight, bias, running_mean, running_var, eps, momentum, group, world, c_last, relu):
-        channels = input.shape[-1] if c_last else input.shape[1]
-        welford = _ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var
-        mean, var = welford(input)
-        local_count = input.numel() // channels if channels else 0
-        count = _count_tensor(local_count, input.device)
-        if world > 1:
-            local = torch.cat([mean, var, count])
-            gathered = local.new_empty((world * local.numel(),))
-            _all_gather(gathered, local, group=group)
-            gathered = gathered.view(world, local.numel())
-            means, vars_, count = gathered[:, :channels], gathered[:, channels : 2 * channels], gathered[:, -1]
-        else:
-            means, vars_ = mean.unsqueeze(0), var.unsqueeze(0)
-        mean, invstd = _ops.welford_parallel(means, vars_, count, eps, running_mean, running_var, momentum)
-        if c_last:
-            out = _ops.batch_norm_forward_c_last(input, z, mean, invstd, weight, bias, relu)
-        else:
-            out = _ops.batch_norm_forward(input, mean, invstd, weight, bias)
+        out, mean, invstd, count = sync_batch_norm_forward(
+            input, z, weight, bias, running_mean, running_var, eps, momentum, group, world, c_last, relu
+        )
         ctx.save_for_backward(input, z, weight, bias, mean, invstd, count)
         ctx.group, ctx.world, ctx.c_last, ctx.relu = group, world, c_last, relu
         return out
@@ -81,57 +145,28 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
-        grad_output = grad_output.contiguous()
-        if ctx.relu and ctx.needs_input_grad[0]:
-            return SyncBatchNormFunction._relu_backward(ctx, grad_output, input, z, weight, bias, mean, invstd, count)
-        if ctx.relu:
-            grad_output = _ops.relu_backward_c_last(grad_output, input, z, mean, invstd, weight, bias)
-        grad_z = grad_output if z is not None and ctx.needs_input_grad[1] else None
-        reduce = _ops.reduce_bn_c_last if ctx.c_last else _ops.reduce_bn
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = reduce(grad_output, input, mean, invstd, weight)
-        grad_input = None
-        if ctx.needs_input_grad[0]:
-            if ctx.world > 1:
-                sums = torch.cat([sum_dy, sum_dy_xmu])
-                dist.all_reduce(sums, group=ctx.group)
-                sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
-            backward = _ops.batch_norm_backward_c_last if ctx.c_last else _ops.batch_norm_backward
-            grad_input = backward(grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-        if weight is None:
-            grad_weight = grad_bias = None
-        else:
-            grad_weight = grad_weight if ctx.needs_input_grad[2] else None
-            grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
-        return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None, None, None, None
-
-    @staticmethod
-    def _relu_backward(ctx, grad_output, input, z, weight, bias, mean, invstd, count):
-        """The backward with a fused ReLU: relu's derivative inside the reduction and the input
-        gradient's kernel (two passes over the tensors, not three). z's gradient, the masked
-        gradient, comes from the second; or, with _MASKED_IN_REDUCE, from the first, which the
-        second then reads instead of dy, x and z."""
-        want_z = z is not None and ctx.needs_input_grad[1]
-        masked_first = want_z and _MASKED_IN_REDUCE
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked = _ops.reduce_bn_relu_c_last(
-            grad_output, input, z, mean, invstd, weight, bias, masked_first
+        grad_input, grad_z, grad_weight, grad_bias = sync_batch_norm_backward(
+            grad_output,
+            input,
+            z,
+            weight,
+            bias,
+            mean,
+            invstd,
+            count,
+            ctx.group,
+            ctx.world,
+            ctx.c_last,
+            ctx.relu,
+            input_grad=ctx.needs_input_grad[0],
+            z_grad=z is not None and ctx.needs_input_grad[1],
         )
-        if ctx.world > 1:
-            sums = torch.cat([sum_dy, sum_dy_xmu])
-            dist.all_reduce(sums, group=ctx.group)
-            sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
-        if masked_first:
-            grad_z = masked
-            grad_input = _ops.batch_norm_backward_c_last(masked, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
-        else:
-            grad_input, grad_z = _ops.batch_norm_backward_relu_c_last(
-                grad_output, input, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, count, want_z
-            )
         if weight is None:
             grad_weight = grad_bias = None
         else:
             grad_weight = grad_weight if ctx.needs_input_grad[2] else None
             grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
-        return grad_input, grad_z if want_z else None, grad_weight, grad_bias, *(None,) * 8
+        return grad_input, grad_z, grad_weight, grad_bias, *(None,) * 8
 
 
 class SyncBatchNorm(_BatchNorm):

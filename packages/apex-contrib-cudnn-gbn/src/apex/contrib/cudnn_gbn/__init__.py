@@ -2,7 +2,7 @@
 whose training statistics cover groups of consecutive ranks, as upstream Apex.
 
 Built on apex-parallel's SyncBatchNorm kernels (``torch.ops.apex_parallel``) and ``torch.distributed``
-process groups, through apex-contrib-groupbn's ``group_sync``; upstream's extension module is the
+process groups, through apex-parallel's ``group_sync``; upstream's extension module is the
 top-level ``cudnn_gbn_lib``.
 """
 

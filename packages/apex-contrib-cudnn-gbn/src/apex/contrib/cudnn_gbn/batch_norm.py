@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from apex.contrib.groupbn.group_sync import GroupBatchNormFunction, consecutive_group
+from apex.parallel.group_sync import GroupBatchNormFunction, consecutive_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NAME = "GroupBatchNorm2d"

@@ -2,8 +2,8 @@
 fused residual add + ReLU and statistics shared by groups of ranks, as upstream Apex.
 
 Built on apex-parallel's SyncBatchNorm kernels (``torch.ops.apex_parallel``) and
-``torch.distributed`` process groups; ``group_sync`` holds the composition, which
-apex-contrib-cudnn-gbn shares. Upstream's ``bnp`` extension is the top-level module ``bnp``.
+``torch.distributed`` process groups, composed in ``apex.parallel.group_sync`` (which
+apex-contrib-cudnn-gbn shares). Upstream's ``bnp`` extension is the top-level module ``bnp``.
 """
 
 from apex.contrib.groupbn.batch_norm import BatchNorm2d_NHWC

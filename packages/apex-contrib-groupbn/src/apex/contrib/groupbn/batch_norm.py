@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from apex.contrib.groupbn.group_sync import GroupBatchNormFunction, consecutive_group
+from apex.parallel.group_sync import GroupBatchNormFunction, consecutive_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NAME = "BatchNorm2d_NHWC"

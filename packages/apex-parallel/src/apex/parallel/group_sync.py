@@ -1,10 +1,11 @@
 """Batch norm over a channels-last batch whose statistics cover a group of consecutive ranks.
 
-The machinery under :class:`apex.contrib.groupbn.BatchNorm2d_NHWC`, the legacy ``bnp`` module and
-apex-contrib-cudnn-gbn's ``GroupBatchNorm2d``: apex-parallel's SyncBatchNorm ops
-(``torch.ops.apex_parallel``) composed so that the batch's mean and inverse standard deviation come
-back to the caller (upstream's modules keep them as ``minibatch_mean`` / ``minibatch_riv``, and its
-legacy kernels take them between forward and backward).
+The machinery under apex-contrib-groupbn's ``BatchNorm2d_NHWC`` and legacy ``bnp`` module and
+apex-contrib-cudnn-gbn's ``GroupBatchNorm2d``: SyncBatchNorm's functional forward and backward
+(:func:`apex.parallel.sync_batchnorm.sync_batch_norm_forward` / ``_backward``), channels-last, with
+torch's rules for one value or none per channel on a single rank, and the batch's mean and inverse
+standard deviation handed back to the caller (upstream's modules keep them as ``minibatch_mean`` /
+``minibatch_riv``, and its legacy kernels take them between forward and backward).
 
 Training forward on an input ``x`` whose last dimension is the channels: per-rank Welford
 statistics, one all-gather of ``[mean, var, count]`` over the group, a count-weighted merge (which
@@ -22,8 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from apex.parallel import _ops as syncbn_ops
-from apex.parallel import create_syncbn_process_group
+from apex.parallel.sync_batchnorm import create_syncbn_process_group, sync_batch_norm_backward, sync_batch_norm_forward
 
 __all__ = ["GroupBatchNormFunction", "backward_train", "consecutive_group", "forward_train", "local_counts"]
 
@@ -78,21 +78,9 @@ def forward_train(x, z, weight, bias, running_mean, running_var, momentum, eps, 
         raise ValueError(f"expected more than 1 value per channel when training, got input of shape {tuple(x.shape)}")
     if world == 1 and local == 0:
         running_mean = running_var = None  # an empty batch leaves them, as torch
-    mean, var = syncbn_ops.welford_mean_var_c_last(x)
-    count = torch.full((1,), float(local), dtype=mean.dtype, device=x.device)
-    if world > 1:
-        local = torch.cat([mean, var, count])
-        gathered = local.new_empty((world * local.numel(),))
-        dist.all_gather_into_tensor(gathered, local, group=group)
-        gathered = gathered.view(world, local.numel())
-        means, variances, counts = gathered[:, :channels], gathered[:, channels:-1], gathered[:, -1].contiguous()
-    else:
-        means, variances, counts = mean.unsqueeze(0), var.unsqueeze(0), count
-    mean, invstd = syncbn_ops.welford_parallel(
-        means, variances, counts, float(eps), running_mean, running_var, float(momentum)
+    return sync_batch_norm_forward(
+        x, z, weight, bias, running_mean, running_var, float(eps), float(momentum), group, world, True, bool(fuse_relu)
     )
-    y = syncbn_ops.batch_norm_forward_c_last(x, z, mean, invstd, weight, bias, bool(fuse_relu))
-    return y, mean, invstd, counts
 
 
 def backward_train(dy, x, z, weight, bias, mean, invstd, counts, fuse_relu, group, world, grad_z=False):
@@ -102,25 +90,9 @@ def backward_train(dy, x, z, weight, bias, mean, invstd, counts, fuse_relu, grou
     ``grad_z`` (the masked output gradient) is None unless asked for. The sums are all-reduced over
     ``group``: every rank of it must call this.
     """
-    dy = dy.contiguous()
-    if fuse_relu:
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias, _ = syncbn_ops.reduce_bn_relu_c_last(
-            dy, x, z, mean, invstd, weight, bias, False
-        )
-    else:
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = syncbn_ops.reduce_bn_c_last(dy, x, mean, invstd, weight)
-    if world > 1:
-        sums = torch.cat([sum_dy, sum_dy_xmu])
-        dist.all_reduce(sums, group=group)
-        sum_dy, sum_dy_xmu = sums[: sum_dy.numel()], sums[sum_dy.numel() :]
-    if fuse_relu:
-        grad_x, masked = syncbn_ops.batch_norm_backward_relu_c_last(
-            dy, x, z, mean, invstd, weight, bias, sum_dy, sum_dy_xmu, counts, grad_z
-        )
-    else:
-        grad_x = syncbn_ops.batch_norm_backward_c_last(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, counts)
-        masked = dy
-    return grad_x, masked if grad_z else None, grad_weight, grad_bias
+    return sync_batch_norm_backward(
+        dy, x, z, weight, bias, mean, invstd, counts, group, world, True, fuse_relu, True, grad_z
+    )
 
 
 class GroupBatchNormFunction(torch.autograd.Function):
