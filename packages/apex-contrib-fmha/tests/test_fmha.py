@@ -1,129 +1,275 @@
-"""apex.contrib.fmha's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""FMHAFun and FMHA against a float64 per-sequence reference, on the CPU and (marked gpu) on CUDA:
+values, the qkv gradient, every path, dropout, zero_tensors, bad input, torch.compile."""
 
 from __future__ import annotations
 
-import math
+import types
 
 import pytest
 import torch
 
-from apex.contrib.fmha import _ops, scale
+from apex.contrib.fmha import FMHA, FMHAFun, _attention
+
+from . import _reference as ref
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
+# (lengths, heads, head_dim, max_s): unequal lengths with 1, a single token, an empty sequence, odd
+# head_dims, BERT's head_dim 64; max_s above every length and equal to the longest.
+CASES = [
+    ([5, 1, 9, 3], 2, 8, 12),
+    ([1], 1, 1, 1),
+    ([7, 0, 4], 3, 5, 7),
+    ([33, 17, 2], 4, 64, 40),
+]
+CASE_IDS = ["unequal", "single-token", "empty-sequence", "bert-head-dim"]
 
 
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+def tolerance(dtype):
+    """Relative tolerance: a few units in the last place for 16-bit (probabilities may be rounded
+    to the dtype before the second matmul on the flash paths), float32 accumulation otherwise."""
+    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+def assert_close_to(actual, expected, dtype):
+    tol = tolerance(dtype)
+    scale = max(expected.abs().max().item(), 1e-3)
+    torch.testing.assert_close(actual.double().cpu(), expected.cpu(), rtol=tol, atol=tol * scale)
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+def check_against_reference(device, dtype, case, path=None):
+    lengths, heads, head_dim, max_s = case
+    qkv = ref.random_qkv(lengths, heads, head_dim, dtype, device).requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths, device)
+    out = _attention.attention(qkv, cu_seqlens, 0.0, max_s, True, False, name="test", path=path)
+    assert (out.shape, out.dtype, out.device) == ((sum(lengths), heads, head_dim), dtype, qkv.device)
+    dout = torch.randn(out.shape, dtype=torch.float64).to(dtype).to(device)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+
+    leaf = qkv.detach().double().requires_grad_()
+    expected = ref.attention(leaf, lengths)
+    (expected_dqkv,) = torch.autograd.grad(expected, leaf, dout.double())
+    assert_close_to(out.detach(), expected.detach(), dtype)
+    assert dqkv.dtype == dtype
+    assert_close_to(dqkv, expected_dqkv, dtype)
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fmhafun_matches_float64(device, dtype, case):
+    check_against_reference(device, dtype, case)
+
+
+@pytest.mark.parametrize("path", ["padded", "nested"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_path_matches_float64(device, dtype, path):
+    # The nested path runs on the CPU too (SDPA's math backend), so both are checked here.
+    check_against_reference(device, dtype, CASES[0], path)
+    check_against_reference(device, dtype, CASES[3], path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_varlen_path_matches_float64(dtype):
+    if _attention._varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    assert _attention.plan(torch.empty(1, 3, 2, 64, dtype=dtype, device="cuda"), 0.1, False) == "varlen"
+    check_against_reference("cuda", dtype, CASES[0], "varlen")
+    check_against_reference("cuda", dtype, CASES[3], "varlen")
+
+
+def test_plan():
+    cpu = torch.empty(4, 3, 2, 64, dtype=torch.float16)
+    assert _attention.plan(cpu, 0.1, True) == "padded"
+    assert _attention.plan(cpu.to("meta"), 0.0, False) == "padded"
+
+
+def test_float64_gradcheck():
+    lengths = [3, 1, 4]
+    qkv = ref.random_qkv(lengths, 2, 3, torch.float64, "cpu").requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths)
+    assert torch.autograd.gradcheck(lambda x: FMHAFun.apply(x, cu_seqlens, 0.0, 5, True, False), (qkv,))
+
+
+def test_gradient_with_dropout_is_the_gradient_of_that_output():
+    # Reseeding makes the dropped function deterministic; gradcheck then checks its backward.
+    lengths = [4, 2]
+    qkv = ref.random_qkv(lengths, 2, 3, torch.float64, "cpu").requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths)
+
+    def dropped(x):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(7)
+            return FMHAFun.apply(x, cu_seqlens, 0.4, 4, True, False)
+
+    assert not torch.equal(dropped(qkv), FMHAFun.apply(qkv, cu_seqlens, 0.0, 4, True, False))
+    assert torch.autograd.gradcheck(dropped, (qkv,))
+
+
+def dropout_inputs(device, dtype=torch.float32):
+    lengths = [6, 1, 3]
+    return ref.random_qkv(lengths, 2, 8, dtype, device), ref.cu_seqlens_of(lengths, device), lengths
+
+
+def test_dropout_off_when_not_training_is_exact(device):
+    qkv, cu_seqlens, _ = dropout_inputs(device)
+    plain = FMHAFun.apply(qkv, cu_seqlens, 0.0, 6, True, False)
+    assert torch.equal(FMHAFun.apply(qkv, cu_seqlens, 0.5, 6, False, False), plain)
+
+
+def test_dropout_is_seeded(device):
+    qkv, cu_seqlens, _ = dropout_inputs(device)
+    outputs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        outputs.append(FMHAFun.apply(qkv, cu_seqlens, 0.3, 6, True, False))
+    assert torch.equal(outputs[0], outputs[1])
+    assert not torch.equal(outputs[0], outputs[2])
+    assert not torch.equal(outputs[0], FMHAFun.apply(qkv, cu_seqlens, 0.0, 6, True, False))
+
+
+def test_dropout_mean_over_runs_is_the_undropped_output(device):
+    # Each run's output is an unbiased estimate (kept probabilities scaled by 1 / (1 - p)); the
+    # per-element standard deviation of one run is below 1 here, so of the mean below 0.04.
+    qkv, cu_seqlens, lengths = dropout_inputs(device)
+    runs = 1000
+    total = sum(FMHAFun.apply(qkv, cu_seqlens, 0.3, 6, True, False).double() for _ in range(runs))
+    expected = ref.attention(qkv, lengths)
+    torch.testing.assert_close(total.cpu() / runs, expected.cpu(), rtol=0, atol=0.15)
+
+
+def test_dropout_keeps_the_expectation(device):
+    # With zero queries (uniform probabilities 1/64) and every value row 1, an output element is
+    # sum_j keep_j / (64 (1 - p)): 1 in expectation, standard deviation sqrt(p / (1 - p) / 64) = 0.08;
+    # the mean of 16384 of them (independent masks) is within 0.003 of 1 (4.7 sigma).
+    lengths = [64, 64]
+    qkv = ref.random_qkv(lengths, 4, 8, torch.float32, device)
+    qkv[:, 0] = 0.0
+    qkv[:, 2] = 1.0
+    cu_seqlens = ref.cu_seqlens_of(lengths, device)
+    runs = torch.stack([FMHAFun.apply(qkv, cu_seqlens, 0.3, 64, True, False) for _ in range(32)])
+    assert abs(runs.double().mean().item() - 1.0) < 0.003
+    assert runs.double().std().item() > 0.05  # dropout happened: without it every element is 1
+
+
+def test_zero_tensors_zeroes_the_rows_past_cu_seqlens(device):
+    lengths = [3, 5]
+    qkv = ref.random_qkv(lengths, 2, 8, torch.float32, device, extra_rows=4).requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths, device)
+    out = FMHAFun.apply(qkv, cu_seqlens, 0.0, 5, True, True)
+    assert out.shape == (12, 2, 8)
+    assert torch.equal(out[8:], torch.zeros_like(out[8:]))
+    assert_close_to(out[:8].detach(), ref.attention(qkv[:8].detach(), lengths), torch.float32)
+    out.sum().backward()
+    assert torch.equal(qkv.grad[8:], torch.zeros_like(qkv.grad[8:]))
+    with pytest.raises(ValueError, match="cu_seqlens ends at 8 but qkv has 12 tokens"):
+        FMHAFun.apply(qkv, cu_seqlens, 0.0, 5, True, False)
+
+
+class Config(types.SimpleNamespace):
+    pass
+
+
+def bert_config(hidden=32, heads=4, dropout=0.0):
+    return Config(hidden_size=hidden, num_attention_heads=heads, attention_probs_dropout_prob=dropout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_module_matches_float64(device, dtype):
+    lengths = [5, 2, 8]
+    module = FMHA(bert_config())
+    qkv = ref.random_qkv(lengths, 4, 8, dtype, device).reshape(15, 96).requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths, device)
+    out = module(qkv, cu_seqlens, 8)
+    assert (out.shape, out.dtype) == ((15, 32), dtype)
+    expected = ref.attention(qkv.detach().view(15, 3, 4, 8), lengths).reshape(15, 32)
+    assert_close_to(out.detach(), expected, dtype)
+    out.sum().backward()
+    assert qkv.grad.shape == qkv.shape
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+def test_module_dropout_follows_is_training(device):
+    lengths = [5, 2, 8]
+    module = FMHA(bert_config(dropout=0.5))
+    qkv = ref.random_qkv(lengths, 4, 8, torch.float32, device).reshape(15, 96)
+    cu_seqlens = ref.cu_seqlens_of(lengths, device)
+    plain = FMHA(bert_config())(qkv, cu_seqlens, 8)
+    assert torch.equal(module(qkv, cu_seqlens, 8, is_training=False), plain)
+    assert not torch.equal(module(qkv, cu_seqlens, 8), plain)
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
+def compile_and_compare(module, qkv, cu_seqlens, max_s, backend, fullgraph):
+    compiled = torch.compile(module, backend=backend, fullgraph=fullgraph)
+    leaf = qkv.clone().requires_grad_()
+    out = compiled(leaf, cu_seqlens, max_s, is_training=False)
+    out.square().sum().backward()
+    eager_leaf = qkv.clone().requires_grad_()
+    expected = module(eager_leaf, cu_seqlens, max_s, is_training=False)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(leaf.grad, eager_leaf.grad, rtol=1e-5, atol=1e-5)
 
 
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
+def test_torch_compile_of_the_module_cpu():
+    torch._dynamo.reset()
+    lengths = [5, 1, 7]
+    qkv = ref.random_qkv(lengths, 4, 8, torch.float32, "cpu").reshape(13, 96)
+    compile_and_compare(FMHA(bert_config(dropout=0.2)), qkv, ref.cu_seqlens_of(lengths), 8, "aot_eager", True)
 
 
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_torch_compile_of_the_module_cuda(dtype):
+    torch._dynamo.reset()
+    lengths = [64, 1, 100]
+    module = FMHA(Config(hidden_size=1024, num_attention_heads=16, attention_probs_dropout_prob=0.1))
+    qkv = ref.random_qkv(lengths, 16, 64, dtype, "cuda").reshape(165, 3072)
+    compiled = torch.compile(module)
+    out = compiled(qkv, ref.cu_seqlens_of(lengths, "cuda"), 128, is_training=False)
+    expected = ref.attention(qkv.view(165, 3, 16, 64), lengths).reshape(165, 1024)
+    assert_close_to(out, expected, dtype)
+
+
+def on(device):
+    return lambda *tensors: [t.to(device) for t in tensors]
+
+
+I32 = torch.int32
+BAD_INPUT = {  # case: (qkv, cu_seqlens, p_dropout, max_s, error, message)
+    "qkv 3-d": (torch.zeros(4, 3, 8), [0, 4], 0.0, 4, ValueError, r"qkv has shape \(4, 3, 8\)"),
+    "qkv not 3 parts": (torch.zeros(4, 2, 2, 8), [0, 4], 0.0, 4, ValueError, "qkv has shape"),
+    "qkv int": (torch.zeros(4, 3, 2, 8, dtype=I32), [0, 4], 0.0, 4, TypeError, "qkv has dtype torch.int32"),
+    "cu_seqlens int64": (torch.zeros(4, 3, 2, 8), [0, 4], 0.0, 4, TypeError, "cu_seqlens has dtype torch.int64"),
+    "cu_seqlens no batch": (torch.zeros(4, 3, 2, 8), [4], 0.0, 4, ValueError, "cu_seqlens has shape"),
+    "cu_seqlens not at 0": (torch.zeros(4, 3, 2, 8), [1, 4], 0.0, 4, ValueError, "cu_seqlens must start at 0"),
+    "cu_seqlens decreasing": (torch.zeros(4, 3, 2, 8), [0, 3, 2, 4], 0.0, 4, ValueError, "non-decreasing"),
+    "cu_seqlens short": (torch.zeros(4, 3, 2, 8), [0, 3], 0.0, 4, ValueError, "cu_seqlens ends at 3"),
+    "cu_seqlens long": (torch.zeros(4, 3, 2, 8), [0, 5], 0.0, 5, ValueError, "cu_seqlens ends at 5"),
+    "sequence over max_s": (torch.zeros(4, 3, 2, 8), [0, 1, 4], 0.0, 2, ValueError, "3 tokens .* max_s=2"),
+    "max_s zero": (torch.zeros(4, 3, 2, 8), [0, 4], 0.0, 0, ValueError, "max_s must be a positive int"),
+    "max_s float": (torch.zeros(4, 3, 2, 8), [0, 4], 0.0, 4.0, ValueError, "max_s must be a positive int"),
+    "p_dropout one": (torch.zeros(4, 3, 2, 8), [0, 4], 1.0, 4, ValueError, r"p_dropout must be in \[0, 1\)"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
-
-
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
-
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    qkv, offsets, p_dropout, max_s, error, message = BAD_INPUT[case]
+    dtype = torch.int64 if case == "cu_seqlens int64" else I32
+    cu_seqlens = torch.tensor(offsets, dtype=dtype, device=device)
+    with pytest.raises(error, match=message):
+        FMHAFun.apply(qkv.to(device), cu_seqlens, p_dropout, max_s, True, False)
 
 
 @pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+def test_cu_seqlens_on_another_device():
+    with pytest.raises(ValueError, match="cu_seqlens is on cpu, qkv on cuda"):
+        FMHAFun.apply(torch.zeros(4, 3, 2, 8, device="cuda"), torch.tensor([0, 4], dtype=I32), 0.0, 4, True, False)
 
 
-@pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_module_bad_config_and_input():
+    with pytest.raises(ValueError, match="config.hidden_size \\(30\\) must be a positive multiple"):
+        FMHA(bert_config(hidden=30, heads=4))
+    with pytest.raises(ValueError, match="attention_probs_dropout_prob must be in"):
+        FMHA(bert_config(dropout=1.0))
+    with pytest.raises(ValueError, match="FMHA: qkv has shape \\(4, 64\\)"):
+        FMHA(bert_config())(torch.zeros(4, 64), torch.tensor([0, 4], dtype=I32), 4)

@@ -1,25 +1,9 @@
-"""apex.contrib.fmha: an example op, scale, from tools/new_package.py (replace it).
-
-Importing it registers its ops (``torch.ops.apex_contrib_fmha.*``).
-"""
+"""apex.contrib.fmha: upstream Apex's fused multi-head attention for packed variable-length sequences
+(BERT), ``FMHAFun`` and ``FMHA``, on public torch ops (FlashAttention varlen, nested-tensor SDPA, a
+padded reference on the CPU). The legacy extension module ``fmhalib`` ships alongside."""
 
 from __future__ import annotations
 
-import torch
+from apex.contrib.fmha.fmha import FMHA, FMHAFun
 
-from apex.contrib.fmha import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_fmha.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["FMHA", "FMHAFun"]

@@ -1,6 +1,6 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.fmha", sources=())
+# No dispatcher ops of its own and nothing to compile: the attention is composed of public torch ops
+# (torch.nn.attention.varlen.varlen_attn, scaled_dot_product_attention on nested tensors, matmul,
+# softmax), whose CUDA kernels torch provides.
 PLUGIN = Plugin.of_package("contrib.fmha")

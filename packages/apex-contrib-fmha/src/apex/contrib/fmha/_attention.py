@@ -1,0 +1,188 @@
+"""Packed variable-length self-attention: argument checks, the path choice, and the three paths.
+
+Layout (upstream's): ``qkv [total_tokens, 3, heads, head_dim]`` holds each token's query, key and
+value rows; the sequences lie back to back, sequence ``i`` in rows ``cu_seqlens[i]:cu_seqlens[i+1]``
+(``cu_seqlens`` int32 ``[batch + 1]``, 0 first). Each token attends to every token of its own
+sequence: ``softmax(q k^T / sqrt(head_dim))``, dropout on those probabilities when training (kept
+ones scaled by ``1 / (1 - p_dropout)``), times ``v``. The output is ``[total_tokens, heads, head_dim]``.
+
+Paths (``plan``), all differentiable by autograd through public torch ops:
+
+- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention over the packed rows, no
+  padding), on CUDA for float16/bfloat16, head_dim a multiple of 8 up to 256, and no active dropout
+  (it has no dropout argument). Only where torch has it (2.10+).
+- ``"nested"``: ``scaled_dot_product_attention`` on jagged nested tensors that view the packed rows
+  (no padding; flash or memory-efficient kernels with dropout): CUDA otherwise.
+- ``"padded"``: the reference: the sequences padded to ``max_s`` in one batch, explicit matmul,
+  softmax with a key-padding mask and dropout, in float32 for 16-bit input (float64 for float64),
+  rounded once. Every other device (the CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PATHS = ("varlen", "nested", "padded")
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def check(name, qkv, cu_seqlens, p_dropout, max_s, zero_tensors) -> int | None:
+    """Raise on malformed input, naming the argument; return the number of packed tokens
+    (``cu_seqlens[-1]``), or None while torch.compile traces (the values are not read then).
+
+    Reading ``cu_seqlens``' values is one small device-to-host copy (``batch + 1`` ints)."""
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"{name}: qkv must be a tensor, got {type(qkv).__name__}")
+    if qkv.dtype not in DTYPES and qkv.dtype != torch.float64:
+        raise TypeError(f"{name}: qkv has dtype {qkv.dtype}; expected float32, float16, bfloat16 (or float64)")
+    if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.shape[2] == 0 or qkv.shape[3] == 0:
+        raise ValueError(
+            f"{name}: qkv has shape {tuple(qkv.shape)}; expected [total_tokens, 3, heads, head_dim] "
+            "with heads, head_dim > 0"
+        )
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"{name}: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32:
+        raise TypeError(f"{name}: cu_seqlens has dtype {cu_seqlens.dtype}; expected torch.int32")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(
+            f"{name}: cu_seqlens has shape {tuple(cu_seqlens.shape)}; expected [batch + 1] with batch >= 1"
+        )
+    if cu_seqlens.device != qkv.device:
+        raise ValueError(f"{name}: cu_seqlens is on {cu_seqlens.device}, qkv on {qkv.device}")
+    if isinstance(max_s, bool) or not isinstance(max_s, int) or max_s <= 0:
+        raise ValueError(f"{name}: max_s must be a positive int, got {max_s!r}")
+    if not 0.0 <= p_dropout < 1.0:  # false for NaN too
+        raise ValueError(f"{name}: p_dropout must be in [0, 1), got {p_dropout}")
+    if _compiling():
+        return None
+    offsets = cu_seqlens.tolist()
+    total = qkv.shape[0]
+    if offsets[0] != 0:
+        raise ValueError(f"{name}: cu_seqlens must start at 0, got {offsets[0]}")
+    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    if min(lengths) < 0:
+        raise ValueError(f"{name}: cu_seqlens must be non-decreasing, got {offsets}")
+    if max(lengths) > max_s:
+        raise ValueError(f"{name}: a sequence has {max(lengths)} tokens (from cu_seqlens), more than max_s={max_s}")
+    used = offsets[-1]
+    if used > total or (used < total and not zero_tensors):
+        raise ValueError(
+            f"{name}: cu_seqlens ends at {used} but qkv has {total} tokens; they must be equal "
+            "(or, with zero_tensors=True, cu_seqlens[-1] < total_tokens: the rows past it are zeroed)"
+        )
+    return used
+
+
+def plan(qkv, p_dropout, is_training) -> str:
+    """The path for these inputs (see the module docstring)."""
+    if qkv.device.type != "cuda":
+        return "padded"
+    head_dim = qkv.shape[-1]
+    dropout = is_training and p_dropout > 0.0
+    if (
+        _varlen_attn is not None
+        and not dropout
+        and qkv.dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    ):
+        return "varlen"
+    return "nested"
+
+
+def attention(qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, *, name, path=None):
+    """The context ``[total_tokens, heads, head_dim]`` (see the module docstring); ``path`` forces one."""
+    used = check(name, qkv, cu_seqlens, p_dropout, max_s, zero_tensors)
+    path = path or plan(qkv, p_dropout, is_training)
+    if path not in PATHS:
+        raise ValueError(f"{name}: path must be one of {PATHS}, got {path!r}")
+    dropout_p = float(p_dropout) if is_training else 0.0
+    if path == "padded":
+        return padded_attention(qkv, cu_seqlens, max_s, dropout_p)[0]
+    total = qkv.shape[0]
+    used = total if used is None else used
+    packed = qkv[:used] if used < total else qkv
+    if path == "varlen":
+        if dropout_p > 0.0:
+            raise ValueError(f"{name}: the varlen path has no dropout; p_dropout={p_dropout} with is_training")
+        q, k, v = packed.unbind(1)
+        out = _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_s, max_s)
+    else:
+        out = _nested_attention(packed, cu_seqlens, max_s, dropout_p)
+    if used < total:
+        out = torch.cat([out, out.new_zeros((total - used, *out.shape[1:]))])
+    return out
+
+
+def _nested_attention(packed, cu_seqlens, max_s, dropout_p):
+    offsets = cu_seqlens.to(torch.int64)
+
+    def jagged(rows):  # [used, heads, d] -> [batch, heads, (lengths), d]
+        return torch.nested.nested_tensor_from_jagged(rows.contiguous(), offsets, max_seqlen=max_s).transpose(1, 2)
+
+    q, k, v = (jagged(rows) for rows in packed.unbind(1))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    return out.transpose(1, 2).values()
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _layout(cu_seqlens, total, max_s):
+    """Index tensors between the packed rows and a ``[batch, max_s]`` padded batch (no host sync):
+    ``gather [batch, max_s]`` (a packed row per padded slot; ``total`` for an empty slot),
+    ``key_valid [batch, max_s]``, and ``scatter [total]`` (a padded slot per packed row;
+    ``batch * max_s``, an extra zero row, for rows past ``cu_seqlens[-1]``)."""
+    starts = cu_seqlens[:-1].to(torch.int64)
+    lengths = cu_seqlens[1:].to(torch.int64) - starts
+    batch = lengths.shape[0]
+    slot = torch.arange(max_s, device=cu_seqlens.device)
+    valid = slot < lengths[:, None]
+    gather = torch.where(valid, starts[:, None] + slot, total)
+    # An empty sequence's slots attend to all its (unused) keys rather than to none, which gives NaN.
+    key_valid = valid | (lengths == 0)[:, None]
+    row = torch.arange(total, device=cu_seqlens.device)
+    sequence = torch.searchsorted(cu_seqlens[1:].to(torch.int64), row, right=True)
+    inside = sequence < batch
+    sequence = sequence.clamp(max=batch - 1)
+    scatter = torch.where(inside, sequence * max_s + row - starts[sequence], batch * max_s)
+    return gather, key_valid, scatter
+
+
+def padded_attention(qkv, cu_seqlens, max_s, dropout_p, keep=None, generator=None):
+    """The reference path: ``(context [total, heads, d], probs [batch, heads, max_s, max_s],
+    scores, keep)`` with ``probs`` the softmax before dropout, ``scores`` the scaled, masked
+    scores it came from (float32, or float64 for float64 ``qkv``) and ``keep`` the dropout mask
+    (bool, True = kept; None without dropout). A given ``keep`` is used instead of drawing one."""
+    total, _, heads, head_dim = qkv.shape
+    compute = _compute_dtype(qkv.dtype)
+    gather, key_valid, scatter = _layout(cu_seqlens, total, max_s)
+    rows = torch.cat([qkv.to(compute), qkv.new_zeros((1, 3, heads, head_dim), dtype=compute)])
+    padded = rows[gather]  # [batch, max_s, 3, heads, d]
+    q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, max_s, d]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    dropped = probs
+    if keep is None and dropout_p > 0.0:
+        noise = torch.rand(probs.shape, device=probs.device, dtype=compute, generator=generator)
+        keep = noise >= dropout_p
+    if keep is not None and dropout_p > 0.0:
+        dropped = probs * keep * (1.0 / (1.0 - dropout_p))
+    context = torch.matmul(dropped, v).transpose(1, 2)  # [batch, max_s, heads, d]
+    flat = torch.cat([context.reshape(-1, heads, head_dim), context.new_zeros((1, heads, head_dim))])
+    return flat[scatter].to(qkv.dtype), probs, scores, keep
