@@ -1,129 +1,140 @@
-"""apex.contrib.nccl_p2p's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""nccl_p2p_cuda and exchange_halos on real gloo process groups (NCCL marked multigpu): each rank's
+received halos against its neighbours' sent ones, recomputed here from the seeds; errors."""
 
 from __future__ import annotations
 
-import math
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import nccl_p2p_cuda
 import pytest
 import torch
 
-from apex.contrib.nccl_p2p import _ops, scale
+from apex.contrib import nccl_p2p
+from apex.core.testing import run_ranks
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
+from ._ranks import CASES, halo
 
-
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+RANKS = str(Path(__file__).with_name("_ranks.py"))
+PACKAGE = Path(__file__).parents[1]
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+def expected(seed, rank, world, case, wrap):
+    left = (rank - 1) % world if wrap or rank > 0 else -1
+    right = (rank + 1) % world if wrap or rank < world - 1 else -1
+    shape, dtype, _ = CASES[case]
+    zero = torch.zeros(shape, dtype=dtype)
+    # the left neighbour's right output halo, the right neighbour's left one; zeros where none
+    li = halo(seed, left, 1, case) if left >= 0 else zero
+    ri = halo(seed, right, 0, case) if right >= 0 else zero
+    return li, ri
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+def check(results, world, seed):
+    assert len(results) == world
+    for wrap in (False, True):
+        check_one([r[wrap] for r in results], world, seed, wrap)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+def check_one(results, world, seed, wrap):
+    for rank, got in enumerate(results):
+        for case in range(len(CASES)):
+            li, ri = expected(seed, rank, world, case, wrap)
+            for mode in ("inplace", "returned"):
+                gl, gr = got[(case, mode)]
+                assert gl.dtype == li.dtype and gl.shape == li.shape
+                torch.testing.assert_close(gl, li, rtol=0, atol=0, msg=f"rank {rank} case {case} {mode} left")
+                torch.testing.assert_close(gr, ri, rtol=0, atol=0, msg=f"rank {rank} case {case} {mode} right")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+@pytest.mark.parametrize("world", [2, 4])
+def test_legacy_exchange(world):
+    check(run_ranks(RANKS, "legacy", world, args=(3 + world,), timeout=240), world, 3 + world)
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
+def test_mismatched_ids_are_refused_on_every_rank():
+    messages = run_ranks(RANKS, "mismatched_id", 2, timeout=240)
+    assert all(m is not None and "unique_nccl_id differs across ranks" in m for m in messages)
 
 
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
+def test_exchange_on_a_subset_of_ranks():
+    results = run_ranks(RANKS, "group_subset", 4, args=(11,), timeout=240)
+    assert results[0] is None and results[2] is None
+    # ranks 1 and 3 form a chain: 1 gets zeros on its left and 3's left halo on its right
+    torch.testing.assert_close(results[1][0], torch.zeros_like(results[1][0]), rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], halo(11, 3, 0, 0), rtol=0, atol=0)
+    torch.testing.assert_close(results[3][0], halo(11, 1, 1, 0), rtol=0, atol=0)
+    torch.testing.assert_close(results[3][1], torch.zeros_like(results[3][1]), rtol=0, atol=0)
 
 
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
+def test_unique_id_shape_and_randomness():
+    ids = nccl_p2p_cuda.get_unique_nccl_id(3)
+    assert ids.shape == (3, 128) and ids.dtype == torch.uint8 and ids.device.type == "cpu"
+    assert not torch.equal(ids[0], ids[1])  # 128 random bytes twice alike: probability 2**-1024
+
+
+def test_package_exposes_the_legacy_functions():
+    for name in nccl_p2p_cuda.__all__:
+        assert getattr(nccl_p2p, name) is getattr(nccl_p2p_cuda, name)
+
+
+BAD = {
+    "n zero": (lambda: nccl_p2p_cuda.get_unique_nccl_id(0), ValueError, "n must be a positive int"),
+    "negative delay": (lambda: nccl_p2p_cuda.add_delay(-1), ValueError, "delay must be an int >= 0"),
+    "no process group": (
+        lambda: nccl_p2p_cuda.init_nccl_comm(nccl_p2p_cuda.get_unique_nccl_id(1), 0, 1),
+        RuntimeError,
+        "torch.distributed is not initialised",
+    ),
+    "unknown handle": (
+        lambda: nccl_p2p_cuda.left_right_halo_exchange(12345, -1, -1, torch.ones(2), torch.ones(2)),
+        ValueError,
+        "handle 12345 was not returned by init_nccl_comm",
+    ),
+    "size mismatch": (
+        lambda: nccl_p2p.exchange_halos(-1, -1, torch.ones(2), torch.ones(3), torch.ones(2), torch.ones(2)),
+        ValueError,
+        "right_output_halo has 3 elements",
+    ),
+    "dtype mismatch": (
+        lambda: nccl_p2p.exchange_halos(-1, -1, torch.ones(2), torch.ones(2), torch.ones(2).half(), torch.ones(2)),
+        TypeError,
+        "left_input_halo has dtype torch.float16",
+    ),
+    "empty halo": (
+        lambda: nccl_p2p.exchange_halos(-1, -1, *[torch.ones(0)] * 4),
+        ValueError,
+        "left_output_halo is empty",
+    ),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_naming_the_argument(case):
+    fn, error, message = BAD[case]
+    with pytest.raises(error, match=message):
+        fn()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
+def test_no_neighbours_zeroes_without_communicating():
+    # ranks -1/-1 need no process group at all
+    li, ri = torch.full((2, 3), 5.0), torch.full((2, 3), 5.0)
+    nccl_p2p.exchange_halos(-1, -1, torch.randn(2, 3), torch.randn(2, 3), li, ri)
+    assert li.abs().sum() == 0 and ri.abs().sum() == 0
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
-
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+def test_wheel_ships_the_legacy_module(tmp_path):
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(PACKAGE)], check=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "nccl_p2p_cuda.py" in names
+    assert "apex/contrib/nccl_p2p/halo_exchange.py" in names
+    assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)
 
 
 @pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_two_gpus_nccl():
+    check(run_ranks(RANKS, "legacy", 2, backend="nccl", args=(5,), timeout=240), 2, 5)

@@ -1,25 +1,26 @@
-"""apex.contrib.nccl_p2p: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.nccl_p2p: left/right halo exchanges between neighbouring ranks on torch.distributed.
 
-Importing it registers its ops (``torch.ops.apex_contrib_nccl_p2p.*``).
+Upstream's ``nccl_p2p_cuda`` functions (``get_unique_nccl_id``, ``init_nccl_comm``,
+``left_right_halo_exchange``, ``left_right_halo_exchange_inplace``, ``add_delay``; also importable
+as the top-level module ``nccl_p2p_cuda``) and ``exchange_halos``, the point-to-point exchange they
+and the peer-memory and bottleneck halo exchangers share. See
+:mod:`apex.contrib.nccl_p2p.halo_exchange` for where they differ from upstream.
 """
 
-from __future__ import annotations
+from apex.contrib.nccl_p2p.halo_exchange import (
+    add_delay,
+    exchange_halos,
+    get_unique_nccl_id,
+    init_nccl_comm,
+    left_right_halo_exchange,
+    left_right_halo_exchange_inplace,
+)
 
-import torch
-
-from apex.contrib.nccl_p2p import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_nccl_p2p.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = [
+    "add_delay",
+    "exchange_halos",
+    "get_unique_nccl_id",
+    "init_nccl_comm",
+    "left_right_halo_exchange",
+    "left_right_halo_exchange_inplace",
+]

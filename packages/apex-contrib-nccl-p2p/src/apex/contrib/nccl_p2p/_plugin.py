@@ -1,6 +1,4 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.nccl_p2p", sources=())
-PLUGIN = Plugin.of_package("contrib.nccl_p2p")
+# No ops and nothing to compile: the halo exchanges are torch.distributed point-to-point calls.
+PLUGIN = Plugin.of_package("contrib.nccl_p2p", provides=("apex.contrib.nccl_p2p", "nccl_p2p_cuda"))
