@@ -1,129 +1,113 @@
-"""apex.contrib.peer_memory's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""PeerHaloExchanger1d and PeerMemoryPool on real gloo process groups (NCCL marked multigpu), against the
+slice of the all-gathered whole tensor around each rank's part; the legacy peer_memory_cuda module."""
 
 from __future__ import annotations
 
-import math
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
 
+import peer_memory_cuda
 import pytest
 import torch
 
-from apex.contrib.peer_memory import _ops, scale
+from apex.contrib.peer_memory import PeerHaloExchanger1d
+from apex.core.testing import run_ranks
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
-
-
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+RANKS = str(Path(__file__).with_name("_ranks.py"))
+PACKAGE = Path(__file__).parents[1]
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+@pytest.mark.parametrize(("world", "reverse"), [(2, False), (4, True)])
+def test_halo_exchange_matches_all_gather(world, reverse):
+    compared = run_ranks(RANKS, "exchanges", world, args=(reverse, 17), timeout=240)
+    assert len(compared) == world and all(c == compared[0] > 0 for c in compared)
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+def test_pool_bookkeeping():
+    errors = run_ranks(RANKS, "pool_checks", 2, timeout=240)
+    for rank_errors in errors:
+        dynamic, static, dtype, rank = rank_errors
+        assert dynamic == "Dynamic peer memory pool exhausted"
+        assert static == "Static peer memory pool exhausted"
+        assert dtype is not None and "dtype torch.float64 not supported" in dtype
+        assert rank is not None and "does not hold this process's rank" in rank
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+class _Pool:
+    pass
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
-
-
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
-
-
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
-
-
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
+BAD = {
+    "half_halo zero": (lambda: PeerHaloExchanger1d([0], 0, _Pool(), 0), "half_halo must be an int >= 1"),
+    "rank_in_group outside": (lambda: PeerHaloExchanger1d([0, 1], 2, _Pool(), 1), "rank_in_group 2 is not an index"),
+    "y too thin": (
+        lambda: PeerHaloExchanger1d([0], 0, _Pool(), 2)(torch.zeros(1, 2, 5, 3)),
+        "y has 5 along dim 2 .H.; with half_halo 2 it needs at least 6",
+    ),
+    "y not 4-D": (lambda: PeerHaloExchanger1d([0], 0, _Pool(), 1)(torch.zeros(3, 5, 3)), "y must be a 4-D tensor"),
+    "negative numSM": (
+        lambda: PeerHaloExchanger1d([0], 0, _Pool(), 1)(torch.zeros(1, 1, 3, 3), True, False, -1),
+        "numSM must be an int >= 0",
+    ),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_raises_naming_the_argument(case):
+    fn, message = BAD[case]
+    with pytest.raises(ValueError, match=message):
+        fn()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
+def test_single_rank_group_zeroes_both_halos():
+    # a group of one rank: no neighbour on either side, no communication needed
+    y = torch.randn(2, 3, 6, 4)
+    inner = y[:, :, 1:5].clone()
+    PeerHaloExchanger1d([0], 0, _Pool(), 1)(y)
+    assert torch.all(y[:, :, 0] == 0) and torch.all(y[:, :, 5] == 0)
+    torch.testing.assert_close(y[:, :, 1:5], inner, rtol=0, atol=0)
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
+def test_legacy_raw_buffers_and_views():
+    raw = peer_memory_cuda.allocate_raw(4096)
+    try:
+        half = peer_memory_cuda.blob_view_half(raw, [2, 3], False)
+        assert half.dtype == torch.float16 and half.shape == (2, 3) and half.data_ptr() == raw
+        assert torch.all(half == 0)
+        floats = peer_memory_cuda.blob_view_float(raw + 256, [1, 4, 2, 3], True)
+        assert floats.is_contiguous(memory_format=torch.channels_last) and floats.data_ptr() == raw + 256
+        floats.copy_(torch.randn(1, 4, 2, 3))
+        ints = peer_memory_cuda.blob_view_int(raw + 256, [24], False)
+        # the same bytes seen as int32
+        assert torch.equal(ints, floats.permute(0, 2, 3, 1).reshape(-1).view(torch.int32))
+        peer_memory_cuda.zero(raw + 256, 96)
+        assert torch.all(ints == 0)
+        with pytest.raises(ValueError, match="is not inside a buffer of allocate_raw"):
+            peer_memory_cuda.blob_view_float(raw + 4000, [100], False)
+    finally:
+        peer_memory_cuda.free_raw(raw)
+    with pytest.raises(ValueError, match="was not returned by allocate_raw"):
+        peer_memory_cuda.free_raw(raw)
 
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+@pytest.mark.parametrize("name", ["get_raw_ipc_address", "get_raw_peers", "push_pull_halos_1d"])
+def test_legacy_ipc_functions_explain_themselves(name):
+    with pytest.raises(NotImplementedError, match=f"^{name}: .*CUDA IPC.*PeerHaloExchanger1d"):
+        getattr(peer_memory_cuda, name)(*([0] * {"get_raw_ipc_address": 1, "get_raw_peers": 3}.get(name, 14)))
 
 
-@pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+def test_wheel_ships_the_legacy_module(tmp_path):
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(PACKAGE)], check=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "peer_memory_cuda.py" in names and "apex/contrib/peer_memory/peer_memory.py" in names
+    assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)
 
 
 @pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_two_gpus_nccl():
+    compared = run_ranks(RANKS, "exchanges", 2, backend="nccl", args=(False, 23), timeout=240)
+    assert all(c == compared[0] > 0 for c in compared)

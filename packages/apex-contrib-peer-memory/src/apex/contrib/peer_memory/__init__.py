@@ -1,25 +1,13 @@
-"""apex.contrib.peer_memory: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.peer_memory: ``PeerMemoryPool`` and ``PeerHaloExchanger1d``, upstream's API on torch.distributed.
 
-Importing it registers its ops (``torch.ops.apex_contrib_peer_memory.*``).
+Upstream shares CUDA memory between the GPUs of a node (IPC handles) and exchanges halos with a kernel
+that writes into the neighbours' buffers. Ours keep the classes, arguments and in-place semantics; the
+pool's tensors are ordinary local tensors and the halos travel by torch.distributed point-to-point
+(apex-contrib-nccl-p2p's ``exchange_halos``), on any backend. The legacy module ``peer_memory_cuda`` maps
+what it can (local raw buffers and views of them) and raises NotImplementedError for the IPC functions.
 """
 
-from __future__ import annotations
+from apex.contrib.peer_memory.peer_halo_exchanger_1d import PeerHaloExchanger1d
+from apex.contrib.peer_memory.peer_memory import PeerMemoryPool
 
-import torch
-
-from apex.contrib.peer_memory import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_peer_memory.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = ["PeerHaloExchanger1d", "PeerMemoryPool"]

@@ -1,6 +1,8 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.peer_memory", sources=())
-PLUGIN = Plugin.of_package("contrib.peer_memory")
+# No ops and nothing to compile: halos travel through apex-contrib-nccl-p2p's torch.distributed exchange.
+PLUGIN = Plugin.of_package(
+    "contrib.peer_memory",
+    provides=("apex.contrib.peer_memory", "peer_memory_cuda"),
+    requires=("apex-core", "apex-contrib-nccl-p2p"),
+)
