@@ -36,7 +36,7 @@ def carve(buffer: torch.Tensor, offset: int, shape, dtype: torch.dtype, channels
     nbytes = math.prod(shape) * dtype.itemsize
     flat = buffer[offset : offset + nbytes].view(dtype)
     if channels_last and len(shape) == 4:
-        n, c, h, w = shape
+        _, c, h, w = shape
         return flat.as_strided(shape, (h * w * c, 1, w * c, c))
     return flat.view(shape)
 
