@@ -38,9 +38,7 @@ def fwd(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, gen
         raise TypeError(f"fmhalib.fwd: generator must be None or a torch.Generator, got {type(generator).__name__}")
     dropout_p = float(p_dropout) if is_training else 0.0
     with torch.no_grad():
-        context, probs, _, keep = _attention.padded_attention(
-            qkv, cu_seqlens, max_s, dropout_p, generator=generator
-        )
+        context, probs, _, keep = _attention.padded_attention(qkv, cu_seqlens, max_s, dropout_p, generator=generator)
         s_dmask = probs.to(qkv.dtype)
         if keep is not None:
             s_dmask = torch.where(keep, s_dmask, -s_dmask)
@@ -53,8 +51,9 @@ def _backward(name, dout, qkv, s_dmask, cu_seqlens, p_dropout, max_s, zero_tenso
     batch = cu_seqlens.numel() - 1
     if not isinstance(dout, torch.Tensor) or tuple(dout.shape) != (total, heads, head_dim):
         described = tuple(dout.shape) if isinstance(dout, torch.Tensor) else type(dout).__name__
-        raise ValueError(f"{name}: dout has shape {described}; expected [total_tokens, heads, head_dim] = "
-                         f"{(total, heads, head_dim)}")
+        raise ValueError(
+            f"{name}: dout has shape {described}; expected [total_tokens, heads, head_dim] = {(total, heads, head_dim)}"
+        )
     if not dout.dtype.is_floating_point or dout.device != qkv.device:
         raise TypeError(f"{name}: dout must be a float tensor on {qkv.device}, got {dout.dtype} on {dout.device}")
     expected = (batch, heads, max_s, max_s)

@@ -24,14 +24,19 @@ CASES = [
 CASE_IDS = ["unequal", "single-token", "empty-sequence", "bert-head-dim"]
 
 
-def tolerance(dtype):
-    """Relative tolerance: a few units in the last place for 16-bit (probabilities may be rounded
-    to the dtype before the second matmul on the flash paths), float32 accumulation otherwise."""
-    return 1e-5 if dtype == torch.float32 else 4 * torch.finfo(dtype).eps
+def tolerance(dtype, device="cpu", gradient=False):
+    """Relative tolerance. The CPU path computes in float32 and rounds once: a few units in the
+    last place. The CUDA kernels (flash, memory-efficient) round the probabilities, and in the
+    backward the score gradients, to 16 bits before the next matmul, and sum over many keys in
+    tiles: twice that for the output, four times for the gradient."""
+    if dtype == torch.float32:
+        return 1e-5 if torch.device(device).type == "cpu" else 1e-4
+    factor = 1 if torch.device(device).type == "cpu" else (4 if gradient else 2)
+    return 4 * factor * torch.finfo(dtype).eps
 
 
-def assert_close_to(actual, expected, dtype):
-    tol = tolerance(dtype)
+def assert_close_to(actual, expected, dtype, gradient=False):
+    tol = tolerance(dtype, actual.device, gradient)
     scale = max(expected.abs().max().item(), 1e-3)
     torch.testing.assert_close(actual.double().cpu(), expected.cpu(), rtol=tol, atol=tol * scale)
 
@@ -50,7 +55,7 @@ def check_against_reference(device, dtype, case, path=None):
     (expected_dqkv,) = torch.autograd.grad(expected, leaf, dout.double())
     assert_close_to(out.detach(), expected.detach(), dtype)
     assert dqkv.dtype == dtype
-    assert_close_to(dqkv, expected_dqkv, dtype)
+    assert_close_to(dqkv, expected_dqkv, dtype, gradient=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
@@ -267,7 +272,7 @@ def test_cu_seqlens_on_another_device():
 
 
 def test_module_bad_config_and_input():
-    with pytest.raises(ValueError, match="config.hidden_size \\(30\\) must be a positive multiple"):
+    with pytest.raises(ValueError, match=r"config\.hidden_size \(30\) must be a positive multiple"):
         FMHA(bert_config(hidden=30, heads=4))
     with pytest.raises(ValueError, match="attention_probs_dropout_prob must be in"):
         FMHA(bert_config(dropout=1.0))

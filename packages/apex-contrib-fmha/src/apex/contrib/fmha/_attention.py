@@ -9,8 +9,8 @@ ones scaled by ``1 / (1 - p_dropout)``), times ``v``. The output is ``[total_tok
 Paths (``plan``), all differentiable by autograd through public torch ops:
 
 - ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention over the packed rows, no
-  padding), on CUDA for float16/bfloat16, head_dim a multiple of 8 up to 256, and no active dropout
-  (it has no dropout argument). Only where torch has it (2.10+).
+  padding), on CUDA sm80+ for float16/bfloat16, head_dim a multiple of 8 up to 256, and no active
+  dropout (it has no dropout argument). Only where torch has it (2.10+).
 - ``"nested"``: ``scaled_dot_product_attention`` on jagged nested tensors that view the packed rows
   (no padding; flash or memory-efficient kernels with dropout): CUDA otherwise.
 - ``"padded"``: the reference: the sequences padded to ``max_s`` in one batch, explicit matmul,
@@ -20,6 +20,7 @@ Paths (``plan``), all differentiable by autograd through public torch ops:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -72,7 +73,7 @@ def check(name, qkv, cu_seqlens, p_dropout, max_s, zero_tensors) -> int | None:
     total = qkv.shape[0]
     if offsets[0] != 0:
         raise ValueError(f"{name}: cu_seqlens must start at 0, got {offsets[0]}")
-    lengths = [end - start for start, end in zip(offsets, offsets[1:])]
+    lengths = [end - start for start, end in itertools.pairwise(offsets)]
     if min(lengths) < 0:
         raise ValueError(f"{name}: cu_seqlens must be non-decreasing, got {offsets}")
     if max(lengths) > max_s:
@@ -94,6 +95,7 @@ def plan(qkv, p_dropout, is_training) -> str:
     dropout = is_training and p_dropout > 0.0
     if (
         _varlen_attn is not None
+        and torch.cuda.get_device_capability(qkv.device) >= (8, 0)  # FlashAttention's floor
         and not dropout
         and qkv.dtype in (torch.float16, torch.bfloat16)
         and head_dim % 8 == 0

@@ -35,8 +35,8 @@ class FMHAFun:
     Differences from upstream (on purpose): upstream ran its own fp16-only CUDA kernels for
     head_dim 64 and max_s up to 512 on sm80/sm90. Here any of the dtypes above, any head_dim, any
     ``max_s`` and any device: on CUDA, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention on
-    the packed rows; float16/bfloat16, head_dim a multiple of 8 up to 256, no active dropout, torch
-    2.10+) or else ``scaled_dot_product_attention`` on jagged nested tensors (flash /
+    the packed rows; sm80+, float16/bfloat16, head_dim a multiple of 8 up to 256, no active dropout,
+    torch 2.10+) or else ``scaled_dot_product_attention`` on jagged nested tensors (flash /
     memory-efficient kernels, with dropout); elsewhere a padded batched reference in float32. This
     is not an ``autograd.Function`` subclass: ``apply`` composes torch ops, whose own backward
     kernels give the gradient and which ``torch.compile`` traces. Dropout draws from torch's
