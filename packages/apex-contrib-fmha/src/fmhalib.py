@@ -4,6 +4,9 @@
   -> [context, S_dmask]``: ``context [total_tokens, heads, head_dim]``, and ``S_dmask
   [batch, heads, max_s, max_s]`` in ``qkv``'s dtype: the attention probabilities before dropout,
   with the sign bit set on the ones dropout removed (upstream's encoding of its dropout mask).
+- ``fwd_nl(...)``: the same as ``fwd`` (upstream's small-batch variant; its ``FMHAFun`` called
+  ``fwd_nl`` for batch < 4 with ``fwd``'s arguments although the extension at its removal no
+  longer bound it).
 - ``bwd(dout, qkv, S_dmask, cu_seqlens, p_dropout, max_s, zero_tensors) -> [dqkv, dS]``.
 - ``bwd_nl(dout, qkv, S_dmask, cu_seqlens, p_dropout, max_s, zero_tensors) -> [dqkv, dS, dkv]``.
 
@@ -29,13 +32,13 @@ import torch
 from apex.contrib.fmha import _attention
 from apex.core import __version__
 
-__all__ = ["__version__", "bwd", "bwd_nl", "fwd"]
+__all__ = ["__version__", "bwd", "bwd_nl", "fwd", "fwd_nl"]
 
 
-def fwd(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, generator):
-    _attention.check("fmhalib.fwd", qkv, cu_seqlens, p_dropout, max_s, zero_tensors)
+def _forward(name, qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, generator):
+    _attention.check(name, qkv, cu_seqlens, p_dropout, max_s, zero_tensors)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"fmhalib.fwd: generator must be None or a torch.Generator, got {type(generator).__name__}")
+        raise TypeError(f"{name}: generator must be None or a torch.Generator, got {type(generator).__name__}")
     dropout_p = float(p_dropout) if is_training else 0.0
     with torch.no_grad():
         context, probs, _, keep = _attention.padded_attention(qkv, cu_seqlens, max_s, dropout_p, generator=generator)
@@ -43,6 +46,14 @@ def fwd(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, gen
         if keep is not None:
             s_dmask = torch.where(keep, s_dmask, -s_dmask)
     return [context, s_dmask]
+
+
+def fwd(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, generator):
+    return _forward("fmhalib.fwd", qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, generator)
+
+
+def fwd_nl(qkv, cu_seqlens, p_dropout, max_s, is_training, is_nl, zero_tensors, generator):
+    return _forward("fmhalib.fwd_nl", qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, generator)
 
 
 def _backward(name, dout, qkv, s_dmask, cu_seqlens, p_dropout, max_s, zero_tensors):

@@ -101,6 +101,9 @@ def test_fwd_draws_from_the_generator(device):
         results.append(fmhalib.fwd(qkv, cu_seqlens, 0.3, MAX_S, True, False, False, generator))
     assert torch.equal(results[0][1], results[1][1]) and torch.equal(results[0][0], results[1][0])
     assert not torch.equal(results[0][1], results[2][1])
+    generator = torch.Generator(device=device).manual_seed(5)
+    small_batch = fmhalib.fwd_nl(qkv, cu_seqlens, 0.3, MAX_S, True, True, False, generator)
+    assert torch.equal(small_batch[0], results[0][0]) and torch.equal(small_batch[1], results[0][1])
 
 
 def test_zero_tensors_rows(device):

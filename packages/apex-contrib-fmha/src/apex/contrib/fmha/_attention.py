@@ -87,6 +87,12 @@ def check(name, qkv, cu_seqlens, p_dropout, max_s, zero_tensors) -> int | None:
     return used
 
 
+@torch.compiler.assume_constant_result
+def _flash_capable(device_index: int) -> bool:
+    """FlashAttention's floor, sm80 (a constant to torch.compile, which need not trace the query)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def plan(qkv, p_dropout, is_training) -> str:
     """The path for these inputs (see the module docstring)."""
     if qkv.device.type != "cuda":
@@ -95,7 +101,7 @@ def plan(qkv, p_dropout, is_training) -> str:
     dropout = is_training and p_dropout > 0.0
     if (
         _varlen_attn is not None
-        and torch.cuda.get_device_capability(qkv.device) >= (8, 0)  # FlashAttention's floor
+        and _flash_capable(qkv.device.index)
         and not dropout
         and qkv.dtype in (torch.float16, torch.bfloat16)
         and head_dim % 8 == 0
