@@ -82,6 +82,15 @@ def test_varlen_path_matches_float64(dtype):
     check_against_reference("cuda", dtype, CASES[3], "varlen")
 
 
+def test_strided_qkv(device):
+    # Another layout viewed as [total, 3, heads, head_dim]: no dimension is contiguous.
+    lengths = [4, 7]
+    storage = torch.randn(8, 2, 3, 11, dtype=torch.float64).to(torch.float16).to(device)
+    qkv = storage.permute(3, 2, 1, 0)  # [11, 3, 2, 8]
+    out = FMHAFun.apply(qkv, ref.cu_seqlens_of(lengths, device), 0.0, 7, False, False)
+    assert_close_to(out, ref.attention(qkv.cpu(), lengths), torch.float16)
+
+
 def test_plan():
     cpu = torch.empty(4, 3, 2, 64, dtype=torch.float16)
     assert _attention.plan(cpu, 0.1, True) == "padded"

@@ -126,7 +126,8 @@ def attention(qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, *, n
     if path == "varlen":
         if dropout_p > 0.0:
             raise ValueError(f"{name}: the varlen path has no dropout; p_dropout={p_dropout} with is_training")
-        q, k, v = packed.unbind(1)
+        # FlashAttention takes any row strides but needs each head's features contiguous.
+        q, k, v = (packed if packed.stride(-1) == 1 else packed.contiguous()).unbind(1)
         out = _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_s, max_s)
     else:
         out = _nested_attention(packed, cu_seqlens, max_s, dropout_p)
