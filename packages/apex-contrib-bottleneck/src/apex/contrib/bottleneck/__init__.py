@@ -1,25 +1,27 @@
-"""apex.contrib.bottleneck: an example op, scale, from tools/new_package.py (replace it).
+"""apex.contrib.bottleneck: ResNet bottleneck blocks with frozen batch norm, upstream's API.
 
-Importing it registers its ops (``torch.ops.apex_contrib_bottleneck.*``).
+``Bottleneck``, ``SpatialBottleneck`` (H split over ranks, halos exchanged for the 3x3 convolution),
+``FrozenBatchNorm2d`` and the halo exchangers of :mod:`apex.contrib.bottleneck.halo_exchangers`. Built on
+apex-contrib-conv-bias-relu's fused convolutions, PyTorch convolutions and torch.distributed (through
+apex-contrib-nccl-p2p and apex-contrib-peer-memory); the legacy module is ``fast_bottleneck``.
 """
 
-from __future__ import annotations
+from apex.contrib.bottleneck.bottleneck import Bottleneck, FrozenBatchNorm2d, SpatialBottleneck
+from apex.contrib.bottleneck.halo_exchangers import (
+    HaloExchangerAllGather,
+    HaloExchangerNoComm,
+    HaloExchangerPeer,
+    HaloExchangerSendRecv,
+    HaloPadder,
+)
 
-import torch
-
-from apex.contrib.bottleneck import _ops
-
-__all__ = ["scale"]
-
-
-def scale(x: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Return ``x * alpha``, computed in float32 and rounded once to ``x``'s dtype.
-
-    Args:
-        x: a contiguous float32, float16 or bfloat16 tensor, on any device.
-        alpha: the factor, a finite Python float.
-
-    Differentiable in ``x``; ``torch.compile(fullgraph=True)`` traces it as the op
-    ``torch.ops.apex_contrib_bottleneck.scale``.
-    """
-    return _ops.differentiable_scale(x, alpha)
+__all__ = [
+    "Bottleneck",
+    "FrozenBatchNorm2d",
+    "HaloExchangerAllGather",
+    "HaloExchangerNoComm",
+    "HaloExchangerPeer",
+    "HaloExchangerSendRecv",
+    "HaloPadder",
+    "SpatialBottleneck",
+]

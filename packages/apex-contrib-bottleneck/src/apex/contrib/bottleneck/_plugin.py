@@ -1,6 +1,9 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.bottleneck", sources=())
-PLUGIN = Plugin.of_package("contrib.bottleneck")
+# No ops of its own and nothing to compile: the block runs on apex-contrib-conv-bias-relu's ops and
+# PyTorch convolutions; halos travel through apex-contrib-nccl-p2p / apex-contrib-peer-memory.
+PLUGIN = Plugin.of_package(
+    "contrib.bottleneck",
+    provides=("apex.contrib.bottleneck", "fast_bottleneck"),
+    requires=("apex-core", "apex-contrib-conv-bias-relu", "apex-contrib-nccl-p2p", "apex-contrib-peer-memory"),
+)
