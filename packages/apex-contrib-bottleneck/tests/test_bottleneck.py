@@ -184,7 +184,7 @@ def test_no_comm_exchanger_swaps():
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1]], ids=["identity", "downsample"])
 def test_legacy_forward_backward_match_autograd(explicit_nhwc, shape):
     block = make(shape, torch.float32, True, explicit_nhwc=explicit_nhwc)
-    cin, _, cout, stride, n, h, w = shape
+    cin, _, _, stride, n, h, w = shape
     x = torch.randn(n, h, w, cin) if explicit_nhwc else torch.randn(n, cin, h, w)
     y, grads = run(block, x, dy := torch.randn_like(block(x)))
     scales, biases = block._scales_biases(x.dtype)
@@ -209,7 +209,23 @@ def test_legacy_forward_backward_match_autograd(explicit_nhwc, shape):
 
 
 def test_legacy_spatial_functions_name_themselves():
-    with pytest.raises(NotImplementedError, match="^fast_bottleneck.forward_out2_halo: "):
+    with pytest.raises(NotImplementedError, match=r"^fast_bottleneck\.forward_out2_halo: "):
         fast_bottleneck.forward_out2_halo()
     with pytest.raises(ValueError, match="inputs must hold 10 tensors"):
         fast_bottleneck.forward(False, 1, [torch.ones(1)] * 4)
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph(device):
+    block = make(SHAPES[1], torch.float32, True).to(device)
+    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
+    compiled = torch.compile(block, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    x = torch.randn(3, 6, 7, 5, device=device)
+    dy = torch.randn(3, 10, 4, 3, device=device)
+    y, grads = run(block, x, dy)
+    xc = x.detach().requires_grad_()
+    yc = compiled(xc)
+    grads_c = torch.autograd.grad(yc, [xc, *block.w_conv], dy)
+    torch.testing.assert_close(yc, y, rtol=1e-4, atol=1e-4)
+    for got, want in zip(grads_c, grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
