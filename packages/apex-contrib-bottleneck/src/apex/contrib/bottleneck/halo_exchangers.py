@@ -14,7 +14,7 @@ Every rank of the group calls it together. Halos of any shape, dtype and memory 
   process group ``comm`` (whose ranks are ``ranks`` in order; None: the default group).
 - ``HaloExchangerSendRecv(ranks, rank_in_group)``: point-to-point through ``nccl_p2p_cuda`` on a handle from
   ``init_nccl_comm`` (collective over the whole default group at construction, as upstream).
-- ``HaloExchangerPeer(ranks, rank_in_group, peer_pool, explicit_nhwc, numSM=0)``: upstream's peer-memory
+- ``HaloExchangerPeer(ranks, rank_in_group, peer_pool, explicit_nhwc, numSM=1)``: upstream's peer-memory
   kernel; ours is the same point-to-point exchange (``peer_pool``, ``explicit_nhwc`` and ``numSM`` are kept
   and unused; see apex-contrib-peer-memory).
 - ``HaloPadder(halo_ex)``: ``__call__(y, half_halo, explicit_nhwc, H_split)`` returns ``y`` padded by
@@ -155,7 +155,7 @@ class HaloExchangerSendRecv(HaloExchanger):
 
 
 class HaloExchangerPeer(HaloExchanger):
-    def __init__(self, ranks, rank_in_group, peer_pool, explicit_nhwc, numSM=0):
+    def __init__(self, ranks, rank_in_group, peer_pool, explicit_nhwc, numSM=1):
         super().__init__(ranks, rank_in_group)
         if isinstance(numSM, bool) or not isinstance(numSM, int) or numSM < 0:
             raise ValueError(f"HaloExchangerPeer: numSM must be an int >= 0, got {numSM!r}")
