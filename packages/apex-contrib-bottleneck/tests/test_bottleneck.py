@@ -4,6 +4,11 @@ fast_bottleneck module; single-process halo exchanger semantics."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import fast_bottleneck
 import pytest
 import torch
@@ -229,3 +234,12 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(yc, y, rtol=1e-4, atol=1e-4)
     for got, want in zip(grads_c, grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wheel_ships_the_legacy_module(tmp_path):
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(Path(__file__).parents[1])], check=True)
+    (wheel,) = tmp_path.glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "fast_bottleneck.py" in names and "apex/contrib/bottleneck/halo_exchangers.py" in names
+    assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)
