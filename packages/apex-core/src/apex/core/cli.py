@@ -78,7 +78,7 @@ def report(as_json: bool = False, file=None) -> int:
         print(f"{key:<22}{value}", file=file)
     print("-" * 72, file=file)
     for row in rows:
-        head = f"{row['name']:<20}{row['distribution'] or '?':<24}{row['version']:<12}"
+        head = f"{row['name']:<20}{row['distribution'] or '?':<30}{row['version']:<12}"
         if row["error"]:
             print(f"{head}BROKEN: {row['error']}", file=file)
             continue

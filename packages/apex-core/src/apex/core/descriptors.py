@@ -59,13 +59,15 @@ class Plugin:
         kernels: KernelLibrary | None = None,
         provides: tuple[str, ...] | None = None,
         requires: tuple[str, ...] = ("apex-core",),
+        name: str | None = None,
     ) -> Plugin:
         """The plugin of the package ``apex.<module>`` (``"optimizers"``, ``"contrib.focal_loss"``),
-        named by the convention: plugin name the module's last part, distribution
+        named by the convention: plugin name the module's last part (``name`` where that is a
+        top-level package's too: contrib_optimizers), distribution
         ``apex-<module with hyphens>``, providing ``apex.<module>`` alone unless ``provides`` says more,
         requiring apex-core (which every other package builds on) unless ``requires`` says otherwise."""
         return cls(
-            name=module.rsplit(".", 1)[-1],
+            name=name or module.rsplit(".", 1)[-1],
             distribution="apex-" + module.replace(".", "-").replace("_", "-"),
             provides=(_import_path(module),) if provides is None else provides,
             kernel_library=kernels,

@@ -1,6 +1,6 @@
 from apex.core.descriptors import KernelLibrary, Plugin
 
 # The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
+# run on every device.
 KERNELS = KernelLibrary.of_package("contrib.sparsity", sources=())
-PLUGIN = Plugin.of_package("contrib.sparsity")
+PLUGIN = Plugin.of_package("contrib.sparsity", provides=("apex.contrib.sparsity", "permutation_search_cuda"))
