@@ -1,0 +1,6 @@
+from apex.core.descriptors import KernelLibrary, Plugin
+
+# The namespace of the ops. Without sources there is nothing to compile or load: the references
+# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
+KERNELS = KernelLibrary.of_package("contrib.nccl_allocator", sources=())
+PLUGIN = Plugin.of_package("contrib.nccl_allocator")
