@@ -1,129 +1,298 @@
-"""apex.contrib.nccl_allocator's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""apex.contrib.nccl_allocator: on the CPU, the environment init sets, the errors without CUDA/NCCL, device
+resolution, how ``symmetric`` reaches PyTorch and the order nccl_mem (de)registers its pool (against stand-ins for
+PyTorch's pool and backend); marked gpu/multigpu, real NCCL pools and all-reduces of their buffers."""
 
 from __future__ import annotations
 
-import math
+import contextlib
+import warnings
 
 import pytest
 import torch
 
-from apex.contrib.nccl_allocator import _ops, scale
+import _apex_nccl_allocator
+import apex.contrib.nccl_allocator as nccl_allocator
+from apex.core.testing import run_ranks
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
-
-
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+NO_CUDA_BUILD = torch.version.cuda is None
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+# ---------------------------------------------------------------- CPU: import, errors, environment
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+def test_public_names():
+    assert nccl_allocator.__all__ == ["init", "nccl_mem", "create_nccl_mem_pool"]
+    assert callable(_apex_nccl_allocator.get_nccl_allocator)
+    assert "get_nccl_allocator" in _apex_nccl_allocator.__all__
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+@pytest.mark.skipif(not NO_CUDA_BUILD, reason="checks the errors of a PyTorch built without CUDA")
+@pytest.mark.parametrize(
+    "name, call",
+    [
+        ("init", lambda: nccl_allocator.init()),
+        ("create_nccl_mem_pool", lambda: nccl_allocator.create_nccl_mem_pool()),
+        ("create_nccl_mem_pool", lambda: nccl_allocator.create_nccl_mem_pool(symmetric=True)),
+        ("nccl_mem", lambda: nccl_allocator.nccl_mem(object())),
+        ("get_nccl_allocator", lambda: _apex_nccl_allocator.get_nccl_allocator()),
+    ],
+)
+def test_without_cuda_every_function_says_what_is_missing(name, call):
+    with pytest.raises(RuntimeError, match=f"^{name}: apex.contrib.nccl_allocator needs a PyTorch built with CUDA"):
+        call()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+def test_disabled_nccl_mem_does_nothing():
+    # As upstream: enabled=False is a no-op context on any machine, allocations stay where they were.
+    with nccl_allocator.nccl_mem(None, enabled=False) as context:
+        x = torch.ones(3)
+    assert context.group is None and context.device is None
+    assert x.sum().item() == 3
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
+@pytest.fixture
+def available(monkeypatch):
+    """Pretend this PyTorch has CUDA, NCCL and a GPU, for the pure-Python parts."""
+    monkeypatch.setattr(nccl_allocator, "_missing", lambda need_device: None)
 
 
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
+def test_init_sets_nccls_environment(available, monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.delenv("TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK", raising=False)
+    nccl_allocator.init()
+    import os
+
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"
+    assert os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] == "0"
 
 
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
-}
+def test_missing_names_what_lacks(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    assert "NCCL" in nccl_allocator._missing(need_device=False)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert nccl_allocator._missing(need_device=False) is None
+    assert "a CUDA device" in nccl_allocator._missing(need_device=True)
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+@pytest.mark.parametrize(
+    "requested, expected",
+    [(None, "cuda:3"), (1, "cuda:1"), ("cuda:2", "cuda:2"), ("cuda", "cuda:3"), (torch.device("cuda", 0), "cuda:0")],
+)
+def test_device_resolution(monkeypatch, requested, expected):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert nccl_allocator._cuda_device("nccl_mem", requested) == torch.device(expected)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
+@pytest.mark.parametrize(
+    "requested, error, message",
+    [("cpu", ValueError, "device must be a CUDA device, got 'cpu'"), (1.5, TypeError, "device must be None, an int")],
+)
+def test_bad_device_raises_naming_the_argument(requested, error, message):
+    with pytest.raises(error, match="^nccl_mem: " + message):
+        nccl_allocator._cuda_device("nccl_mem", requested)
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
+def test_allocator_needs_an_initialized_process_group(available):
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="^create_nccl_mem_pool: needs torch.distributed initialized"):
+        nccl_allocator._nccl_allocator("create_nccl_mem_pool", device=0)
 
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+def test_allocator_needs_an_nccl_backend(available, tmp_path):
+    # A real (gloo, one rank) process group: its backend is not NCCL's.
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="^get_nccl_allocator: the process group"):
+            nccl_allocator._nccl_allocator("get_nccl_allocator", device=0)
+        with pytest.raises(TypeError, match="^nccl_mem: group must be a torch.distributed.ProcessGroup"):
+            nccl_allocator._nccl_backend("nccl_mem", object(), torch.device("cuda", 0))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- CPU: symmetric and registration, on stand-ins
+
+
+class PoolWithSymmetric:
+    def __init__(self, allocator, use_on_oom=False, symmetric=False):
+        self.allocator, self.symmetric = allocator, symmetric
+
+
+class PoolWithSymmMem:
+    def __init__(self, allocator, use_on_oom=False, symm_mem=False):
+        self.allocator, self.symmetric = allocator, symm_mem
+
+
+class PlainPool:
+    def __init__(self, allocator, use_on_oom=False, no_split=False):
+        self.allocator = allocator
+
+
+class Backend:
+    """Records what nccl_mem asks of ProcessGroupNCCL; ``fail`` names methods that raise RuntimeError."""
+
+    def __init__(self, log, fail=(), symm=True):
+        self.log, self.fail = log, set(fail)
+        if not symm:
+            self.register_mem_pool = self._register_without_symm
+
+    def deregister_mem_pool(self, pool):
+        self.log.append("deregister")
+        if "deregister" in self.fail:
+            raise RuntimeError("not registered")
+
+    def register_mem_pool(self, pool, symm=False):
+        self.log.append(("register", symm))
+        if "register" in self.fail:
+            raise RuntimeError("NCCL error")
+
+    def _register_without_symm(self, pool):
+        self.log.append(("register", None))
+
+
+@pytest.fixture
+def fake_torch(available, monkeypatch):
+    """torch.cuda.MemPool/use_mem_pool and the NCCL backend replaced by recorders; returns the log."""
+    log = []
+    monkeypatch.setattr(nccl_allocator, "_nccl_allocator", lambda function, group=None, device=None: "allocator")
+    monkeypatch.setattr(torch.cuda, "MemPool", PlainPool)
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        log.append(("use pool", str(device)))
+        try:
+            yield
+        finally:
+            log.append("leave pool")
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return log
+
+
+@pytest.mark.parametrize("pool_class", [PoolWithSymmetric, PoolWithSymmMem])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_symmetric_reaches_the_mem_pool(fake_torch, monkeypatch, pool_class, symmetric):
+    monkeypatch.setattr(torch.cuda, "MemPool", pool_class)
+    with pytest.warns(FutureWarning, match="deprecated"):
+        pool = nccl_allocator.create_nccl_mem_pool(symmetric=symmetric)
+    assert (pool.allocator, pool.symmetric) == ("allocator", symmetric)
+
+
+def test_plain_pool_without_symmetric(fake_torch):
+    with pytest.warns(FutureWarning):
+        pool = nccl_allocator.create_nccl_mem_pool()
+    assert isinstance(pool, PlainPool) and pool.allocator == "allocator"
+    assert not hasattr(pool, nccl_allocator._SYMMETRIC_ATTRIBUTE)
+
+
+def test_symmetric_without_support_raises_naming_the_argument(fake_torch, monkeypatch):
+    monkeypatch.setattr(nccl_allocator, "_register_takes_symm", lambda: False)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="^create_nccl_mem_pool: symmetric=True needs"):
+        warnings.simplefilter("ignore", FutureWarning)
+        nccl_allocator.create_nccl_mem_pool(symmetric=True)
+
+
+def test_bad_symmetric_type_raises(fake_torch):
+    with pytest.raises(TypeError, match="^create_nccl_mem_pool: symmetric must be None or a bool, got 'yes'"):
+        nccl_allocator.create_nccl_mem_pool(symmetric="yes")
+
+
+def make_nccl_mem(monkeypatch, log, symmetric=None, **backend_kwargs):
+    monkeypatch.setattr(nccl_allocator, "_register_takes_symm", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        pool = nccl_allocator.create_nccl_mem_pool(symmetric=symmetric)
+    backend = Backend(log, **backend_kwargs)
+    monkeypatch.setattr(nccl_allocator, "_nccl_backend", lambda function, group, device: backend)
+    return nccl_allocator.nccl_mem(pool, device=1, group="group")
+
+
+def test_nccl_mem_deregisters_on_entry_and_registers_on_exit(fake_torch, monkeypatch):
+    context = make_nccl_mem(monkeypatch, fake_torch)
+    assert fake_torch == []  # nothing happens before entry
+    with context:
+        assert fake_torch == [("use pool", "cuda:1"), "deregister"]
+    assert fake_torch[2:] == [("register", False), "leave pool"]
+
+
+def test_nccl_mem_registers_symmetric_where_registration_takes_it(fake_torch, monkeypatch):
+    with make_nccl_mem(monkeypatch, fake_torch, symmetric=True):
+        pass
+    assert ("register", True) in fake_torch
+
+
+def test_nccl_mem_ignores_deregistering_a_new_pool_and_warns_when_registration_fails(fake_torch, monkeypatch):
+    with pytest.warns(RuntimeWarning, match="^nccl_mem: registering the pool"):
+        with make_nccl_mem(monkeypatch, fake_torch, fail=("deregister", "register")):
+            pass
+    assert fake_torch[-1] == "leave pool"  # the pool context is left even so
+
+
+def test_nccl_mem_leaves_the_pool_when_the_body_raises(fake_torch, monkeypatch):
+    with pytest.raises(KeyError), make_nccl_mem(monkeypatch, fake_torch):
+        raise KeyError("body")
+    assert fake_torch[-2:] == [("register", False), "leave pool"]
+
+
+def test_nccl_mem_rejects_what_is_not_a_pool(fake_torch):
+    with pytest.raises(TypeError, match="^nccl_mem: pool must be a torch.cuda.MemPool, got str"):
+        nccl_allocator.nccl_mem("pool", device=0, group="group")
+
+
+# ---------------------------------------------------------------- GPU: real NCCL pools (run by run_ranks)
+
+
+def _allocate_in_pool(rank, world_size):
+    """One rank: a pool from ProcessGroupNCCL's allocator; a tensor made under nccl_mem lives in it."""
+    nccl_allocator.init()
+    pool = nccl_allocator.create_nccl_mem_pool()
+    assert isinstance(pool, torch.cuda.MemPool)
+    with nccl_allocator.nccl_mem(pool):
+        x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    outside = torch.empty(1 << 20, device="cuda")
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in pool.snapshot()]
+    in_pool = [any(lo <= t.data_ptr() < hi for lo, hi in segments) for t in (x, outside)]
+    torch.distributed.all_reduce(x)
+    torch.cuda.synchronize()
+    legacy = _apex_nccl_allocator.get_nccl_allocator()
+    return in_pool, x.cpu(), legacy is not None
 
 
 @pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+def test_pool_allocates_in_ncclmemalloc_memory():
+    ((in_pool, x, legacy),) = run_ranks(__file__, "_allocate_in_pool", 1, backend="nccl")
+    assert in_pool == [True, False]
+    torch.testing.assert_close(x, torch.arange(1 << 20, dtype=torch.float32), rtol=0, atol=0)
+    assert legacy
+
+
+def _rank_data(rank, size):
+    generator = torch.Generator().manual_seed(1234 + rank)
+    return torch.randn(size, generator=generator, dtype=torch.float64).float()
+
+
+def _all_reduce_pool_and_plain(rank, world_size):
+    sizes = [1, 7, 4097, 1 << 22]
+    pool = nccl_allocator.create_nccl_mem_pool()
+    with nccl_allocator.nccl_mem(pool):
+        pooled = [_rank_data(rank, n).cuda() for n in sizes]
+    plain = [_rank_data(rank, n).cuda() for n in sizes]
+    for p, q in zip(pooled, plain):
+        torch.distributed.all_reduce(p)
+        torch.distributed.all_reduce(q)
+    torch.cuda.synchronize()
+    return [p.cpu() for p in pooled], [q.cpu() for q in plain], sizes
 
 
 @pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def test_all_reduce_of_pool_tensors_matches_a_plain_one():
+    results = run_ranks(__file__, "_all_reduce_pool_and_plain", 2, backend="nccl")
+    for pooled, plain, sizes in results:
+        for p, q, n in zip(pooled, plain, sizes):
+            expected = sum(_rank_data(r, n).double() for r in range(2))
+            torch.testing.assert_close(p.double(), expected, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

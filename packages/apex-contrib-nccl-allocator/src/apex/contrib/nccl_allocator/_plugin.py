@@ -1,6 +1,5 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.nccl_allocator", sources=())
-PLUGIN = Plugin.of_package("contrib.nccl_allocator")
+# No ops and nothing to compile: the allocator is PyTorch's own (ProcessGroupNCCL's ncclMemAlloc-backed
+# mem_allocator), used through torch.cuda.MemPool. Upstream's extension module is src/_apex_nccl_allocator.py.
+PLUGIN = Plugin.of_package("contrib.nccl_allocator", provides=("apex.contrib.nccl_allocator", "_apex_nccl_allocator"))
