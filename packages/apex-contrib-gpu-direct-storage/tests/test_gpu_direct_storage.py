@@ -1,129 +1,275 @@
-"""apex.contrib.gpu_direct_storage's example op against float64, on the CPU and (marked gpu) on CUDA: values, the
-gradient, bad input, opcheck, torch.compile."""
+"""apex.contrib.gpu_direct_storage: round trips of tensors through files (plain I/O on the CPU and CUDA, GPUDirect
+Storage marked gpu), the bytes in the file read back independently, bad modes, closed files, the deprecation
+warning and upstream's legacy module."""
 
 from __future__ import annotations
 
-import math
+import warnings
 
 import pytest
 import torch
 
-from apex.contrib.gpu_direct_storage import _ops, scale
+import _apex_gpu_direct_storage
+from apex.contrib.gpu_direct_storage import GDSFile, _GDSFile
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Empty, one element, odd, not a multiple of any vector width, several blocks of the kernel.
-SIZES = [0, 1, 7, 33, 1000, 70_001]
-ALPHA = -1.37
-
-
-def random_tensor(shape, dtype, device, offset=0):
-    """Normal values in ``dtype`` (exact in float64); the tensor starts ``offset`` elements into its storage."""
-    numel = math.prod(shape)
-    storage = torch.randn(numel + offset, dtype=torch.float64).to(dtype=dtype, device=device)
-    return storage[offset:].view(shape)
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool]
+SHAPES = [(), (0,), (1,), (7,), (3, 5, 7), (1000, 33)]
 
 
-def assert_close_to_float64(actual, expected):
-    """Within two units in the last place of ``actual``'s dtype (below its normal range, one step)."""
-    info = torch.finfo(actual.dtype)
-    torch.testing.assert_close(
-        actual.cpu().double(), expected.cpu(), rtol=2 * info.eps, atol=info.smallest_normal * info.eps
-    )
+def random_tensor(shape, dtype):
+    if dtype == torch.bool:
+        return torch.rand(shape) < 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=torch.float64).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, shape, dtype=dtype)
 
 
-def poison_allocator(like):
-    """Leave NaNs in a freed block like ``like``: the next allocation of that size likely gets it,
-    so output elements the op does not write show up."""
-    torch.full_like(like, float("nan"))
+def different_from(x):
+    """A tensor like ``x`` differing from it in every element (so a load that does nothing fails)."""
+    return x.logical_not() if x.dtype == torch.bool else torch.where(x == 0, torch.ones_like(x), torch.zeros_like(x))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("size", SIZES)
-def test_scale_matches_float64(device, dtype, size):
-    x = random_tensor((size,), dtype, device)
-    poison_allocator(x)
-    out = _ops.scale(x, ALPHA)
-    assert (out.shape, out.dtype, out.device) == (x.shape, x.dtype, x.device)
-    assert_close_to_float64(out, x.double() * ALPHA)
+def file_as_tensor(path, like):
+    """The file's bytes as a tensor like ``like``, read without the code under test."""
+    data = path.read_bytes()
+    assert len(data) == like.nbytes
+    if not data:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.frombuffer(bytearray(data), dtype=like.dtype).reshape(like.shape)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_of_shaped_and_unaligned_tensors(device, dtype):
-    # An odd 3-d shape, and a tensor one element into its storage (not 16-byte aligned).
-    for x in (random_tensor((3, 5, 7), dtype, device), random_tensor((4099,), dtype, device, offset=1)):
-        assert_close_to_float64(_ops.scale(x, 0.25), x.double() * 0.25)
+@pytest.fixture(autouse=True)
+def _quiet_deprecation():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
-def test_gradient(device):
-    x = random_tensor((2, 333), torch.float32, device).requires_grad_()
-    dy = random_tensor((2, 333), torch.float32, device)
-    y = scale(x, ALPHA)
-    (dx,) = torch.autograd.grad(y, x, dy)
-    assert_close_to_float64(y.detach(), x.detach().double() * ALPHA)
-    assert_close_to_float64(dx, dy.double() * ALPHA)
-
-
-def test_gradient_that_arrives_expanded(device):
-    x = random_tensor((3, 4), torch.float16, device).requires_grad_()
-    scale(x, ALPHA).sum().backward()
-    assert_close_to_float64(x.grad, torch.full(x.shape, ALPHA, dtype=torch.float64))
-
-
-BAD_INPUT = {  # case: (x on a device, alpha, error, message)
-    "float64 x": (lambda d: torch.ones(4, dtype=torch.float64, device=d), 2.0, TypeError, "x has dtype torch.float64"),
-    "int x": (lambda d: torch.ones(4, dtype=torch.int32, device=d), 2.0, TypeError, "x has dtype torch.int32"),
-    "non-contiguous x": (lambda d: torch.ones(4, 6, device=d).t(), 2.0, ValueError, "x is not contiguous"),
-    "infinite alpha": (lambda d: torch.ones(4, device=d), math.inf, ValueError, "alpha must be finite, got inf"),
-    "nan alpha": (lambda d: torch.ones(4, device=d), math.nan, ValueError, "alpha must be finite, got nan"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_INPUT))
-def test_bad_input_raises_naming_the_argument(device, case):
-    make_x, alpha, error, message = BAD_INPUT[case]
-    with pytest.raises(error, match="^scale: " + message):
-        _ops.scale(make_x(device), alpha)
+# ---------------------------------------------------------------- plain I/O: CPU and CUDA
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck(device, dtype):
-    torch.library.opcheck(_ops.scale, (random_tensor((3, 67), dtype, device), ALPHA))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_gds_round_trip(device, tmp_path, dtype, shape):
+    path = tmp_path / "t.bin"
+    x = random_tensor(shape, dtype).to(device)
+    with GDSFile(str(path), "wn") as f:
+        f.save_data_no_gds(x)
+    assert torch.equal(file_as_tensor(path, x), x.cpu())
+    y = different_from(x)
+    with GDSFile(str(path), "rn") as f:
+        f.load_data_no_gds(y)
+    assert torch.equal(y, x)
 
 
-@pytest.mark.slow
-def test_torch_compile_fullgraph(device):
-    def loss(x, w):
-        return scale(x * w, ALPHA).square().sum()
+def test_no_gds_views_touch_only_their_bytes(device, tmp_path):
+    path = str(tmp_path / "t.bin")
+    big = torch.randn(100, device=device)
+    with GDSFile(path, "wn") as f:
+        f.save_data_no_gds(big[10:37])  # a view 10 elements into its storage
+    target = torch.full((100,), -5.0, device=device)
+    with GDSFile(path, "rn") as f:
+        f.load_data_no_gds(target[50:77])
+    assert torch.equal(target[50:77], big[10:37])
+    assert (target[:50] == -5).all() and (target[77:] == -5).all()
 
-    # Inductor on the GPU; on the CPU, AOT autograd without code generation (fast, same tracing).
-    compiled = torch.compile(loss, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    x = random_tensor((8, 65), torch.float32, device)
-    w = random_tensor((8, 65), torch.float32, device).requires_grad_()
-    results = []
-    for fn in (loss, compiled):
-        value = fn(x, w)
-        results.append((value.detach(), *torch.autograd.grad(value, w)))
-    for got, expected in zip(results[1], results[0]):
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+def test_no_gds_loads_into_a_leaf_that_requires_grad(tmp_path):
+    path = str(tmp_path / "t.bin")
+    x = torch.randn(5, 3)
+    with GDSFile(path, "wn") as f:
+        f.save_data_no_gds(x)
+    weight = torch.zeros(5, 3, requires_grad=True)
+    with GDSFile(path, "rn") as f:
+        f.load_data_no_gds(weight)
+    assert torch.equal(weight.detach(), x) and weight.requires_grad
+
+
+def test_write_mode_overwrites_from_the_start_without_truncating(tmp_path):
+    # As upstream (O_CREAT | O_WRONLY, offset 0): a shorter tensor leaves the file's tail.
+    path = tmp_path / "t.bin"
+    with GDSFile(str(path), "wn") as f:
+        f.save_data_no_gds(torch.arange(10, dtype=torch.int32))
+    with GDSFile(str(path), "wn") as f:
+        f.save_data_no_gds(torch.full((4,), -1, dtype=torch.int32))
+    expected = torch.tensor([-1, -1, -1, -1, 4, 5, 6, 7, 8, 9], dtype=torch.int32)
+    assert torch.equal(file_as_tensor(path, expected), expected)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_bad_mode_raises_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"^open: mode must be one of 'r', 'w', 'rn', 'wn', got 'rw'"):
+        _GDSFile(str(tmp_path / "t.bin"), "rw")
+    with pytest.raises(TypeError, match="^GDSFile: filename must be a str, got int"):
+        with GDSFile(3, "r"):
+            pass
+    with pytest.raises(TypeError, match="^GDSFile: mode must be a str, got NoneType"):
+        with GDSFile("x", None):
+            pass
+
+
+@pytest.mark.parametrize(
+    "opened, method",
+    [("wn", "load_data_no_gds"), ("rn", "save_data_no_gds")],
+)
+def test_method_in_the_wrong_mode_raises(tmp_path, opened, method):
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(64))
+    needed = "rn" if opened == "wn" else "wn"
+    with GDSFile(str(path), opened) as f:
+        with pytest.raises(RuntimeError, match=f"^{method}: .* was opened with mode '{opened}'.*needs mode '{needed}'"):
+            getattr(f, method)(torch.zeros(4))
+
+
+def test_closed_file_raises(tmp_path):
+    path = str(tmp_path / "t.bin")
+    with GDSFile(path, "wn") as f:
+        pass
+    assert not f.is_open
+    with pytest.raises(RuntimeError, match="^save_data_no_gds: .*t.bin is not open"):
+        f.save_data_no_gds(torch.zeros(2))
+    f.close()  # closing again does nothing, as upstream
+
+
+def test_file_is_closed_when_the_block_raises(tmp_path):
+    with pytest.raises(KeyError), GDSFile(str(tmp_path / "t.bin"), "wn") as f:
+        raise KeyError("body")
+    assert not f.is_open
+
+
+def test_reading_more_than_the_file_holds_raises(tmp_path):
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(10))
+    with GDSFile(str(path), "rn") as f, pytest.raises(RuntimeError, match="holds 10 bytes; tensor needs 16"):
+        f.load_data_no_gds(torch.zeros(4))
+
+
+def test_bad_tensors_raise_naming_the_argument(tmp_path):
+    with GDSFile(str(tmp_path / "t.bin"), "wn") as f:
+        with pytest.raises(ValueError, match="^save_data_no_gds: tensor must be a dense contiguous tensor"):
+            f.save_data_no_gds(torch.zeros(4, 6).t())
+        with pytest.raises(TypeError, match="^save_data_no_gds: tensor must be a torch.Tensor, got list"):
+            f.save_data_no_gds([1.0])
+
+
+def test_open_twice_and_reuse(tmp_path):
+    path = str(tmp_path / "t.bin")
+    f = _GDSFile()
+    f.open(path, "wn")
+    with pytest.raises(RuntimeError, match="^open: .* is already open"):
+        f.open(path, "wn")
+    f.close()
+    f.open(path, "wn")  # the same file and mode again: fine
+    f.close()
+    with pytest.raises(ValueError, match="^open: this file object belongs to"):
+        f.open(path, "rn")
+    with pytest.raises(TypeError, match="pass both filename and mode"):
+        _GDSFile(path)
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="checks the error of a PyTorch built without CUDA")
+@pytest.mark.parametrize("mode", ["r", "w"])
+def test_gds_modes_without_cuda_say_what_is_missing(tmp_path, mode):
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(8))
+    with pytest.raises(RuntimeError, match="^GPUDirect Storage needs a PyTorch built with CUDA"):
+        _GDSFile(str(path), mode)
+
+
+# ---------------------------------------------------------------- deprecation, legacy module
+
+
+def test_gdsfile_warns_deprecated(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with GDSFile(str(tmp_path / "t.bin"), "wn"):
+            pass
+    (warning,) = [w for w in caught if issubclass(w.category, FutureWarning)]
+    assert "deprecated" in str(warning.message) and "torch.cuda.gds" in str(warning.message)
+    assert warning.filename == __file__  # points at the caller
+
+
+def test_legacy_module(tmp_path):
+    assert _apex_gpu_direct_storage._GDSFile is _GDSFile
+    path = str(tmp_path / "t.bin")
+    x = torch.arange(12, dtype=torch.float32)
+    f = _apex_gpu_direct_storage._GDSFile(path, "wn")
+    f.save_data_no_gds(x)
+    f.close()
+    y = torch.empty(12)
+    f = _apex_gpu_direct_storage._GDSFile(path, "rn")
+    f.load_data_no_gds(y)
+    f.close()
+    assert torch.equal(x, y)
+
+
+# ---------------------------------------------------------------- GPUDirect Storage (CUDA, cuFile)
+
+
+@pytest.fixture
+def gds_path(tmp_path):
+    """A file cuFile can register, or a skip saying why not (no cuFile, or a filesystem without O_DIRECT)."""
+    path = tmp_path / "gds.bin"
+    try:
+        probe = _GDSFile(str(path), "w")
+        probe.save_data(torch.ones(1024, device="cuda"))
+        probe.close()
+    except (RuntimeError, OSError) as error:
+        pytest.skip(f"cuFile is not usable on {tmp_path}: {error}")
+    return str(path)
 
 
 @pytest.mark.gpu
-def test_runs_on_the_current_stream():
-    # Work on another stream than the caller's would race with the side stream's writes to x.
-    source = random_tensor((1 << 24,), torch.float16, "cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x = source * 1.0
-        out = _ops.scale(x, ALPHA)
-    torch.cuda.current_stream().wait_stream(side)
-    assert_close_to_float64(out, source.double() * ALPHA)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gds_round_trip(gds_path, dtype, shape):
+    x = random_tensor(shape, dtype).cuda()
+    with GDSFile(gds_path, "w") as f:
+        f.save_data(x)
+    assert torch.equal(file_as_tensor_prefix(gds_path, x), x.cpu())
+    y = different_from(x)
+    with GDSFile(gds_path, "r") as f:
+        f.load_data(y)
+    assert torch.equal(y, x)
 
 
-@pytest.mark.multigpu
-def test_second_gpu():
-    # cuda:0 is current; x lives on cuda:1.
-    x = random_tensor((70_001,), torch.bfloat16, "cuda:1")
-    out = _ops.scale(x, ALPHA)
-    assert out.device == x.device
-    assert_close_to_float64(out, x.double() * ALPHA)
+def file_as_tensor_prefix(path, like):
+    """The first ``like.nbytes`` bytes of the file (the probe left 4 KiB there) as a tensor like ``like``."""
+    with open(path, "rb") as f:
+        data = f.read(like.nbytes)
+    if not data:
+        return torch.empty(like.shape, dtype=like.dtype)
+    return torch.frombuffer(bytearray(data), dtype=like.dtype).reshape(like.shape)
+
+
+@pytest.mark.gpu
+def test_gds_views_and_a_tensor_written_by_a_kernel(gds_path):
+    big = torch.randn(1 << 20, device="cuda")
+    source = big[1000 : 1000 + 4097] * 3  # computed on the stream just before the write
+    with GDSFile(gds_path, "w") as f:
+        f.save_data(source)
+    target = torch.full((1 << 16,), -5.0, device="cuda")
+    with GDSFile(gds_path, "r") as f:
+        f.load_data(target[7 : 7 + 4097])
+    assert torch.equal(target[7 : 7 + 4097], source)
+    assert (target[:7] == -5).all() and (target[7 + 4097 :] == -5).all()
+
+
+@pytest.mark.gpu
+def test_gds_and_plain_files_are_the_same_bytes(gds_path):
+    x = torch.randn(3, 1000, device="cuda", dtype=torch.bfloat16)
+    with GDSFile(gds_path, "w") as f:
+        f.save_data(x)
+    y = torch.empty_like(x, device="cpu")
+    with GDSFile(gds_path, "rn") as f:
+        f.load_data_no_gds(y)
+    assert torch.equal(y, x.cpu())
+
+
+@pytest.mark.gpu
+def test_gds_needs_a_cuda_tensor(gds_path):
+    with GDSFile(gds_path, "w") as f, pytest.raises(ValueError, match="^save_data: tensor must be a CUDA tensor"):
+        f.save_data(torch.zeros(4))

@@ -1,6 +1,7 @@
-from apex.core.descriptors import KernelLibrary, Plugin
+from apex.core.descriptors import Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device. A kernel package keeps the default csrc/ sources and passes kernels=KERNELS.
-KERNELS = KernelLibrary.of_package("contrib.gpu_direct_storage", sources=())
-PLUGIN = Plugin.of_package("contrib.gpu_direct_storage")
+# No ops and nothing to compile: the GPUDirect Storage paths are PyTorch's torch.cuda.gds (cuFile), the
+# others plain file I/O. Upstream's extension module is src/_apex_gpu_direct_storage.py.
+PLUGIN = Plugin.of_package(
+    "contrib.gpu_direct_storage", provides=("apex.contrib.gpu_direct_storage", "_apex_gpu_direct_storage")
+)
