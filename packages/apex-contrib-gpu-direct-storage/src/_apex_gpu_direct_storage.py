@@ -13,4 +13,4 @@ from __future__ import annotations
 from apex.contrib.gpu_direct_storage._file import _GDSFile
 from apex.core import __version__
 
-__all__ = ["__version__", "_GDSFile"]
+__all__ = ["_GDSFile", "__version__"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import warnings
 
+import _apex_gpu_direct_storage
 import pytest
 import torch
 
-import _apex_gpu_direct_storage
 from apex.contrib.gpu_direct_storage import GDSFile, _GDSFile
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool]
@@ -103,10 +103,10 @@ def test_write_mode_overwrites_from_the_start_without_truncating(tmp_path):
 def test_bad_mode_raises_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"^open: mode must be one of 'r', 'w', 'rn', 'wn', got 'rw'"):
         _GDSFile(str(tmp_path / "t.bin"), "rw")
-    with pytest.raises(TypeError, match="^GDSFile: filename must be a str, got int"):
+    with pytest.raises(TypeError, match=r"^GDSFile: filename must be a str, got int"):
         with GDSFile(3, "r"):
             pass
-    with pytest.raises(TypeError, match="^GDSFile: mode must be a str, got NoneType"):
+    with pytest.raises(TypeError, match=r"^GDSFile: mode must be a str, got NoneType"):
         with GDSFile("x", None):
             pass
 
@@ -129,7 +129,7 @@ def test_closed_file_raises(tmp_path):
     with GDSFile(path, "wn") as f:
         pass
     assert not f.is_open
-    with pytest.raises(RuntimeError, match="^save_data_no_gds: .*t.bin is not open"):
+    with pytest.raises(RuntimeError, match=r"^save_data_no_gds: .*t.bin is not open"):
         f.save_data_no_gds(torch.zeros(2))
     f.close()  # closing again does nothing, as upstream
 
@@ -143,15 +143,15 @@ def test_file_is_closed_when_the_block_raises(tmp_path):
 def test_reading_more_than_the_file_holds_raises(tmp_path):
     path = tmp_path / "t.bin"
     path.write_bytes(bytes(10))
-    with GDSFile(str(path), "rn") as f, pytest.raises(RuntimeError, match="holds 10 bytes; tensor needs 16"):
+    with GDSFile(str(path), "rn") as f, pytest.raises(RuntimeError, match=r"holds 10 bytes; tensor needs 16"):
         f.load_data_no_gds(torch.zeros(4))
 
 
 def test_bad_tensors_raise_naming_the_argument(tmp_path):
     with GDSFile(str(tmp_path / "t.bin"), "wn") as f:
-        with pytest.raises(ValueError, match="^save_data_no_gds: tensor must be a dense contiguous tensor"):
+        with pytest.raises(ValueError, match=r"^save_data_no_gds: tensor must be a dense contiguous tensor"):
             f.save_data_no_gds(torch.zeros(4, 6).t())
-        with pytest.raises(TypeError, match="^save_data_no_gds: tensor must be a torch.Tensor, got list"):
+        with pytest.raises(TypeError, match=r"^save_data_no_gds: tensor must be a torch.Tensor, got list"):
             f.save_data_no_gds([1.0])
 
 
@@ -159,14 +159,14 @@ def test_open_twice_and_reuse(tmp_path):
     path = str(tmp_path / "t.bin")
     f = _GDSFile()
     f.open(path, "wn")
-    with pytest.raises(RuntimeError, match="^open: .* is already open"):
+    with pytest.raises(RuntimeError, match=r"^open: .* is already open"):
         f.open(path, "wn")
     f.close()
     f.open(path, "wn")  # the same file and mode again: fine
     f.close()
-    with pytest.raises(ValueError, match="^open: this file object belongs to"):
+    with pytest.raises(ValueError, match=r"^open: this file object belongs to"):
         f.open(path, "rn")
-    with pytest.raises(TypeError, match="pass both filename and mode"):
+    with pytest.raises(TypeError, match=r"pass both filename and mode"):
         _GDSFile(path)
 
 
@@ -175,7 +175,7 @@ def test_open_twice_and_reuse(tmp_path):
 def test_gds_modes_without_cuda_say_what_is_missing(tmp_path, mode):
     path = tmp_path / "t.bin"
     path.write_bytes(bytes(8))
-    with pytest.raises(RuntimeError, match="^GPUDirect Storage needs a PyTorch built with CUDA"):
+    with pytest.raises(RuntimeError, match=r"^GPUDirect Storage needs a PyTorch built with CUDA"):
         _GDSFile(str(path), mode)
 
 
@@ -271,5 +271,5 @@ def test_gds_and_plain_files_are_the_same_bytes(gds_path):
 
 @pytest.mark.gpu
 def test_gds_needs_a_cuda_tensor(gds_path):
-    with GDSFile(gds_path, "w") as f, pytest.raises(ValueError, match="^save_data: tensor must be a CUDA tensor"):
+    with GDSFile(gds_path, "w") as f, pytest.raises(ValueError, match=r"^save_data: tensor must be a CUDA tensor"):
         f.save_data(torch.zeros(4))

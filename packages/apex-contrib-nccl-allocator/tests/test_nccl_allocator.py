@@ -7,10 +7,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+import _apex_nccl_allocator
 import pytest
 import torch
 
-import _apex_nccl_allocator
 import apex.contrib.nccl_allocator as nccl_allocator
 from apex.core.testing import run_ranks
 
@@ -21,7 +21,7 @@ NO_CUDA_BUILD = torch.version.cuda is None
 
 
 def test_public_names():
-    assert nccl_allocator.__all__ == ["init", "nccl_mem", "create_nccl_mem_pool"]
+    assert sorted(nccl_allocator.__all__) == ["create_nccl_mem_pool", "init", "nccl_mem"]
     assert callable(_apex_nccl_allocator.get_nccl_allocator)
     assert "get_nccl_allocator" in _apex_nccl_allocator.__all__
 
@@ -90,13 +90,13 @@ def test_device_resolution(monkeypatch, requested, expected):
     [("cpu", ValueError, "device must be a CUDA device, got 'cpu'"), (1.5, TypeError, "device must be None, an int")],
 )
 def test_bad_device_raises_naming_the_argument(requested, error, message):
-    with pytest.raises(error, match="^nccl_mem: " + message):
+    with pytest.raises(error, match=r"^nccl_mem: " + message):
         nccl_allocator._cuda_device("nccl_mem", requested)
 
 
 def test_allocator_needs_an_initialized_process_group(available):
     assert not torch.distributed.is_initialized()
-    with pytest.raises(RuntimeError, match="^create_nccl_mem_pool: needs torch.distributed initialized"):
+    with pytest.raises(RuntimeError, match=r"^create_nccl_mem_pool: needs torch.distributed initialized"):
         nccl_allocator._nccl_allocator("create_nccl_mem_pool", device=0)
 
 
@@ -105,9 +105,9 @@ def test_allocator_needs_an_nccl_backend(available, tmp_path):
     store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match="^get_nccl_allocator: the process group"):
+        with pytest.raises(RuntimeError, match=r"^get_nccl_allocator: the process group"):
             nccl_allocator._nccl_allocator("get_nccl_allocator", device=0)
-        with pytest.raises(TypeError, match="^nccl_mem: group must be a torch.distributed.ProcessGroup"):
+        with pytest.raises(TypeError, match=r"^nccl_mem: group must be a torch.distributed.ProcessGroup"):
             nccl_allocator._nccl_backend("nccl_mem", object(), torch.device("cuda", 0))
     finally:
         torch.distributed.destroy_process_group()
@@ -177,7 +177,7 @@ def fake_torch(available, monkeypatch):
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_symmetric_reaches_the_mem_pool(fake_torch, monkeypatch, pool_class, symmetric):
     monkeypatch.setattr(torch.cuda, "MemPool", pool_class)
-    with pytest.warns(FutureWarning, match="deprecated"):
+    with pytest.warns(FutureWarning, match=r"deprecated"):
         pool = nccl_allocator.create_nccl_mem_pool(symmetric=symmetric)
     assert (pool.allocator, pool.symmetric) == ("allocator", symmetric)
 
@@ -191,13 +191,13 @@ def test_plain_pool_without_symmetric(fake_torch):
 
 def test_symmetric_without_support_raises_naming_the_argument(fake_torch, monkeypatch):
     monkeypatch.setattr(nccl_allocator, "_register_takes_symm", lambda: False)
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="^create_nccl_mem_pool: symmetric=True needs"):
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"^create_nccl_mem_pool: symmetric=True needs"):
         warnings.simplefilter("ignore", FutureWarning)
         nccl_allocator.create_nccl_mem_pool(symmetric=True)
 
 
 def test_bad_symmetric_type_raises(fake_torch):
-    with pytest.raises(TypeError, match="^create_nccl_mem_pool: symmetric must be None or a bool, got 'yes'"):
+    with pytest.raises(TypeError, match=r"^create_nccl_mem_pool: symmetric must be None or a bool, got 'yes'"):
         nccl_allocator.create_nccl_mem_pool(symmetric="yes")
 
 
@@ -226,7 +226,7 @@ def test_nccl_mem_registers_symmetric_where_registration_takes_it(fake_torch, mo
 
 
 def test_nccl_mem_ignores_deregistering_a_new_pool_and_warns_when_registration_fails(fake_torch, monkeypatch):
-    with pytest.warns(RuntimeWarning, match="^nccl_mem: registering the pool"):
+    with pytest.warns(RuntimeWarning, match=r"^nccl_mem: registering the pool"):
         with make_nccl_mem(monkeypatch, fake_torch, fail=("deregister", "register")):
             pass
     assert fake_torch[-1] == "leave pool"  # the pool context is left even so
@@ -239,7 +239,7 @@ def test_nccl_mem_leaves_the_pool_when_the_body_raises(fake_torch, monkeypatch):
 
 
 def test_nccl_mem_rejects_what_is_not_a_pool(fake_torch):
-    with pytest.raises(TypeError, match="^nccl_mem: pool must be a torch.cuda.MemPool, got str"):
+    with pytest.raises(TypeError, match=r"^nccl_mem: pool must be a torch.cuda.MemPool, got str"):
         nccl_allocator.nccl_mem("pool", device=0, group="group")
 
 

@@ -43,7 +43,7 @@ def _deprecated(message: str) -> None:
 
 
 @contextmanager
-def GDSFile(filename: str, mode: str) -> Iterator[_GDSFile]:  # noqa: N802  (upstream's name)
+def GDSFile(filename: str, mode: str) -> Iterator[_GDSFile]:
     """Open ``filename`` in ``mode`` (``"r"``, ``"w"``, ``"rn"``, ``"wn"``) for the ``with`` block; the file is
     closed when the block ends, also on an exception."""
     if not isinstance(filename, (str, os.PathLike)):

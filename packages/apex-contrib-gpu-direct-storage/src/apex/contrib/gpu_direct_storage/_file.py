@@ -112,7 +112,7 @@ class _GDSFile:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001  (nothing to report to at interpreter exit)
+        except Exception:
             pass
 
     def __repr__(self) -> str:

@@ -39,7 +39,7 @@ from contextlib import nullcontext
 
 import torch
 
-__all__ = ["init", "nccl_mem", "create_nccl_mem_pool"]
+__all__ = ["create_nccl_mem_pool", "init", "nccl_mem"]
 
 # Set on a pool whose symmetric registration happens in register_mem_pool(pool, symm=...) (newer PyTorch).
 _SYMMETRIC_ATTRIBUTE = "_apex_nccl_symmetric"
@@ -197,7 +197,7 @@ def init() -> None:
     os.environ["TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"] = "0"
 
 
-class nccl_mem:  # noqa: N801  (upstream's name)
+class nccl_mem:
     """Context manager: CUDA allocations on ``device`` inside it come from ``pool``; on entry the pool is
     deregistered from the group's NCCL communicator (registration is per pool, so a pool already holding buffers
     is registered again whole), on exit registered again, with the new buffers.
