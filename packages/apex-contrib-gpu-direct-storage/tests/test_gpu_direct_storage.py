@@ -248,7 +248,7 @@ def file_as_tensor_prefix(path, like):
 @pytest.mark.gpu
 def test_gds_views_and_a_tensor_written_by_a_kernel(gds_path):
     big = torch.randn(1 << 20, device="cuda")
-    source = big[1000 : 1000 + 4097] * 3  # computed on the stream just before the write
+    source = (big * 3)[1000 : 1000 + 4097]  # a view 1000 elements in, computed on the stream just before the write
     with GDSFile(gds_path, "w") as f:
         f.save_data(source)
     target = torch.full((1 << 16,), -5.0, device="cuda")

@@ -14,7 +14,7 @@ import torch
 import apex.contrib.nccl_allocator as nccl_allocator
 from apex.core.testing import run_ranks
 
-NO_CUDA_BUILD = torch.version.cuda is None
+NO_CUDA_BUILD = torch.version.cuda is None and getattr(torch.version, "hip", None) is None
 
 
 # ---------------------------------------------------------------- CPU: import, errors, environment
@@ -248,7 +248,6 @@ def test_nccl_mem_rejects_what_is_not_a_pool(fake_torch):
 
 def _allocate_in_pool(rank, world_size):
     """One rank: a pool from ProcessGroupNCCL's allocator; a tensor made under nccl_mem lives in it."""
-    nccl_allocator.init()
     pool = nccl_allocator.create_nccl_mem_pool()
     assert isinstance(pool, torch.cuda.MemPool)
     with nccl_allocator.nccl_mem(pool):

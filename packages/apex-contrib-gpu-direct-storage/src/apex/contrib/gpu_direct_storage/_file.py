@@ -90,7 +90,7 @@ class _GDSFile:
             flags = os.O_RDONLY if mode == "r" else os.O_WRONLY
             try:
                 self._gds = gds.GdsFile(filename, flags)
-            except RuntimeError as error:
+            except (RuntimeError, AttributeError) as error:  # AttributeError: a torch built without cuFile
                 raise RuntimeError(f"open: cuFile cannot register {filename}: {error}") from error
         else:
             flags = os.O_RDONLY if mode == "rn" else os.O_CREAT | os.O_WRONLY

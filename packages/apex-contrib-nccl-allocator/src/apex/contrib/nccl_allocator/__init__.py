@@ -47,7 +47,7 @@ _SYMMETRIC_ATTRIBUTE = "_apex_nccl_symmetric"
 
 def _missing(need_device: bool) -> str | None:
     """What this PyTorch (or machine) lacks for the NCCL allocator, or None."""
-    if torch.version.cuda is None:
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:  # ROCm: RCCL is "nccl"
         return f"a PyTorch built with CUDA (this is torch {torch.__version__}, built without CUDA)"
     if not torch.distributed.is_available():
         return "a PyTorch built with torch.distributed (this build has none)"
