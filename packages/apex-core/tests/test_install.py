@@ -83,3 +83,22 @@ def test_only_apex_core_ships_the_namespace_init():
             if name != OWNER:
                 assert "apex/__init__.py" not in files, name
             assert "apex/contrib/__init__.py" not in files, name
+
+
+def test_upstreams_helpers_for_contrib_modules(monkeypatch):
+    """``apex.deprecated_warning``, ``apex.DeprecatedFeatureWarning`` and
+    ``apex.check_cudnn_version_and_warn``, as upstream's apex/__init__.py has them."""
+    import pytest
+    import torch
+
+    assert issubclass(apex.DeprecatedFeatureWarning, FutureWarning)
+    with pytest.warns(apex.DeprecatedFeatureWarning, match="use torch.cuda.gds"):
+        apex.deprecated_warning("use torch.cuda.gds")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8300)
+    with pytest.warns(UserWarning, match="needs_cudnn requires cuDNN 8400 or later, found 8300"):
+        assert apex.check_cudnn_version_and_warn("needs_cudnn", 8400) is False
+    assert apex.check_cudnn_version_and_warn("needs_cudnn", 8300) is True
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    with pytest.warns(UserWarning, match="requires cuDNN, which is not available"):
+        assert apex.check_cudnn_version_and_warn("needs_cudnn", 8400) is False
