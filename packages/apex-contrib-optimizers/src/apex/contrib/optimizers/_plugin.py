@@ -1,11 +1,12 @@
 from apex.core.descriptors import KernelLibrary, Plugin
 
-# The namespace of the ops. Without sources there is nothing to compile or load: the references
-# run on every device; the common paths run apex-optimizers' kernels through torch.ops.
-KERNELS = KernelLibrary.of_package("contrib.optimizers", sources=())
+# The ops of this package (namespace apex_contrib_optimizers) have CUDA kernels in csrc/; the
+# common fp32 paths also run apex-optimizers' kernels through torch.ops.
+KERNELS = KernelLibrary.of_package("contrib.optimizers")
 PLUGIN = Plugin.of_package(
     "contrib.optimizers",
     name="contrib_optimizers",
+    kernels=KERNELS,
     provides=(
         "apex.contrib.optimizers",
         "fused_adam_cuda",
