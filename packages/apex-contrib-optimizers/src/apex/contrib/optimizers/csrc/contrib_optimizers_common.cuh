@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 
+#include <cuda_fp16.h>
+
 #include <apex/checks.h>
 
 namespace apex_contrib_optimizers {
@@ -132,6 +134,20 @@ __device__ __forceinline__ void split_bf16_and_remainder(float x, int32_t& high,
   const uint32_t bits = __float_as_uint(x);
   low = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xFFFFu));
   high = static_cast<int16_t>(static_cast<uint16_t>((bits >> 16) + (low < 0 ? 1u : 0u)));
+}
+
+// e5m2 bytes (uint8 tensors): the high byte of a float16. The code of x, rounded to nearest by
+// adding an eighth of its power of two first (to_e5m2 of _ops.py), as a float 0..255 (what the
+// element loops store into uint8 exactly).
+__device__ __forceinline__ float e5m2_code(float x) {
+  const float power = __uint_as_float(__float_as_uint(x) & 0xFF800000u);
+  const uint16_t half_bits = __half_as_ushort(__float2half_rn(x + power * 0.125f));
+  return static_cast<float>(half_bits >> 8);
+}
+
+// The value of an e5m2 code (given as a float 0..255, as the element loops load uint8), from_e5m2.
+__device__ __forceinline__ float e5m2_value(float code) {
+  return __half2float(__ushort_as_half(static_cast<uint16_t>(static_cast<uint32_t>(code) << 8)));
 }
 
 }  // namespace apex_contrib_optimizers

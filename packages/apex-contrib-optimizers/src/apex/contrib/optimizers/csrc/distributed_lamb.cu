@@ -19,8 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include <cuda_fp16.h>
-
 #include <apex/checks.h>
 #include <apex/dispatch.h>
 #include <apex/multi_tensor_apply.cuh>
@@ -210,14 +208,6 @@ struct UpdateWeightsArgs {
   bool use_nvlamb;
 };
 
-// The e5m2 code of x (the high byte of its float16), rounded to nearest by adding an eighth of its
-// power of two first, as to_e5m2 of _ops.py.
-__device__ __forceinline__ float e5m2_code(float x) {
-  const float power = __uint_as_float(__float_as_uint(x) & 0xFF800000u);
-  const uint16_t half_bits = __half_as_ushort(__float2half_rn(x + power * 0.125f));
-  return static_cast<float>(half_bits >> 8);
-}
-
 // Lists: 0 u (fp32), 1 p (Param), 2 p_copy (Copy; uint8 holds e5m2 codes).
 template <typename Param, typename Copy>
 struct UpdateWeightsFunctor {
@@ -248,7 +238,7 @@ struct UpdateWeightsFunctor {
       group.store(param, p);
       // the copy is of the fp32 value (not of p rounded to its dtype), as the reference
       if constexpr (std::is_same_v<Copy, uint8_t>) {
-        group.for_each_value([&](int i, int j) { p[i][j] = e5m2_code(p[i][j]); });
+        group.for_each_value([&](int i, int j) { p[i][j] = co::e5m2_code(p[i][j]); });
       }
       group.store(copy, p);
     };
