@@ -112,7 +112,7 @@ def close(actual, expected, dtype):
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (NaN == NaN)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).cpu()
 
 
 ADAM_CASES = [  # (state, grad, out)
@@ -154,7 +154,8 @@ def test_param_remainders_match_float64(device, grad, mode, offsets):
     masters = [ops.bf16_and_remainder_to_fp32(p, r) for p, r in zip(lists["params"], lists["param_remainders"])]
     kw = scalars(device, adam_mode=mode)
     expected = [
-        adam_float64(*t, **f64_kwargs(kw)) for t in zip(masters, lists["exp_avgs"], lists["exp_avg_sqs"], lists["grads"])
+        adam_float64(*t, **f64_kwargs(kw))
+        for t in zip(masters, lists["exp_avgs"], lists["exp_avg_sqs"], lists["grads"])
     ]
     OPS.distributed_adam_with_param_remainders(**lists, **kw)
     for i, (p, m, v) in enumerate(expected):
@@ -202,8 +203,10 @@ def test_noop_flag_leaves_every_bit(device, remainders):
 @pytest.mark.parametrize("remainders", [False, True], ids=["adam", "remainders"])
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_device_lr_and_step_win_over_the_host_values(device, remainders, bias_correction):
-    make = (lambda: remainder_inputs(device, F32, OFFSETS["aligned"])) if remainders else (
-        lambda: adam_inputs(device, F32, F32, F32, OFFSETS["aligned"])
+    make = (
+        (lambda: remainder_inputs(device, F32, OFFSETS["aligned"]))
+        if remainders
+        else (lambda: adam_inputs(device, F32, F32, F32, OFFSETS["aligned"]))
     )
     op = OPS.distributed_adam_with_param_remainders if remainders else OPS.distributed_adam
     host, tensors = make(), make()
@@ -219,9 +222,11 @@ def test_device_lr_and_step_win_over_the_host_values(device, remainders, bias_co
             torch.testing.assert_close(b.double(), a.double(), rtol=2e-6, atol=1e-7)
     # and the device values are read: another lr changes the parameters
     other = make()
-    op(**other, **scalars(device, lr=3e-3, step=5, bias_correction=bias_correction), lr_tensor=torch.tensor(
-        [6e-3], device=device
-    ))
+    op(
+        **other,
+        **scalars(device, lr=3e-3, step=5, bias_correction=bias_correction),
+        lr_tensor=torch.tensor([6e-3], device=device),
+    )
     assert not torch.equal(other["params_out"][-1], host["params_out"][-1])
 
 
@@ -275,7 +280,9 @@ def test_remainders_must_be_int16_and_params_bf16(device):
             **{**lists, "param_remainders": [lists["param_remainders"][0].int()]}, **scalars(device)
         )
     with pytest.raises(TypeError, match="params"):
-        OPS.distributed_adam_with_param_remainders(**{**lists, "params": [lists["params"][0].half()]}, **scalars(device))
+        OPS.distributed_adam_with_param_remainders(
+            **{**lists, "params": [lists["params"][0].half()]}, **scalars(device)
+        )
 
 
 # CUDA only ----------------------------------------------------------------------------------------
@@ -380,7 +387,10 @@ def test_many_tensors_over_several_launches(remainders):
 @pytest.mark.parametrize("remainders", [False, True], ids=["adam", "remainders"])
 def test_opcheck_on_cuda(remainders):
     if remainders:
-        lists, name = remainder_inputs("cuda", BF16, OFFSETS["aligned"], sizes=[7, 4099]), "distributed_adam_with_param_remainders"
+        lists, name = (
+            remainder_inputs("cuda", BF16, OFFSETS["aligned"], sizes=[7, 4099]),
+            "distributed_adam_with_param_remainders",
+        )
     else:
         lists, name = adam_inputs("cuda", BF16, BF16, F32, OFFSETS["aligned"], sizes=[7, 4099]), "distributed_adam"
     kw = scalars("cuda", lr_tensor=torch.tensor([1e-3], device="cuda"), step_tensor=torch.tensor([2.0], device="cuda"))

@@ -142,8 +142,12 @@ def decoded(copy):
     return _ops.from_e5m2(copy).double() if copy.dtype == U8 else copy.double()
 
 
-COPY_TOL = {F32: dict(rtol=1e-6, atol=1e-7), F16: dict(rtol=2**-10, atol=1e-7), BF16: dict(rtol=2**-7, atol=1e-7),
-            U8: dict(rtol=2**-2, atol=2**-16)}  # fmt: skip  (one ulp of the copy dtype: rounded from fp32)
+COPY_TOL = {
+    F32: dict(rtol=1e-6, atol=1e-7),
+    F16: dict(rtol=2**-10, atol=1e-7),
+    BF16: dict(rtol=2**-7, atol=1e-7),
+    U8: dict(rtol=2**-2, atol=2**-16),
+}  # fmt: skip  (one ulp of the copy dtype: rounded from fp32)
 
 
 @pytest.mark.parametrize("offsets", list(OFFSETS), ids=list(OFFSETS))
@@ -179,7 +183,12 @@ def test_update_term_bad_input(device):
     lists, hyper = update_term_inputs(device, F32, F32, OFFSETS["aligned"], sizes=[7, 5])
     flag = device_flag(device)
     cases = [
-        (dict(hyper, beta1=per_tensor([0.9], device)), lists, ValueError, r"^lamb_compute_update_term: beta1 must be a 1-D"),
+        (
+            dict(hyper, beta1=per_tensor([0.9], device)),
+            lists,
+            ValueError,
+            r"^lamb_compute_update_term: beta1 must be a 1-D",
+        ),
         (dict(hyper, bias_correction=per_tensor([1, 1], device)), lists, ValueError, "bias_correction"),
         (dict(hyper, step=torch.tensor([2.0], device=device)), lists, TypeError, "step"),
         (hyper, dict(lists, m=[t.half() for t in lists["m"]]), TypeError, r"m\[0\] has dtype torch.float16"),
