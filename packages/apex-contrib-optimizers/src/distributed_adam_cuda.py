@@ -12,8 +12,8 @@ Each function takes upstream's arguments in upstream's order and updates the ten
   ``v``, ``g``; the new remainders go to ``p_rem`` and the new bf16 values to ``p_out``.
 
 ``grad_scale`` multiplies the gradients; ``mode`` 0 is L2 regularisation, 1 decoupled weight decay;
-``bias_correction`` is 0 or 1. Runs on the CPU too (the PyTorch references). Differences from
-upstream: the functions skip the update when ``noop_flag`` is non-zero (upstream's non-capturable
+``bias_correction`` is 0 or 1. CUDA kernels on GPUs; runs on the CPU too (the PyTorch references).
+Differences from upstream: the functions skip the update when ``noop_flag`` is non-zero (upstream's non-capturable
 kernels ignore it; its callers pass zero); ``g`` may be of any float dtype (upstream: ``p_in``'s).
 """
 

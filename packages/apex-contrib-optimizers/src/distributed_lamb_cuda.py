@@ -11,7 +11,7 @@ apex-contrib-optimizers' ops.
 
 Tensor arguments as upstream's current kernels take them (``step`` int32, ``global_scale``,
 ``global_grad_norm`` and ``learning_rate`` one-element fp32 device tensors, ``update_norm_offset``
-int64). Runs on every device through the PyTorch references. Differences from upstream:
+int64). CUDA kernels on GPUs, the PyTorch references elsewhere. Differences from upstream:
 ``per_tensor_beta3`` is used (upstream's kernel ignores it and takes ``1 - beta1``, so its
 ``grad_averaging=False`` had no effect); ``m``/``v``/``u`` must be fp32.
 """

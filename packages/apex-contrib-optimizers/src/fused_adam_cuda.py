@@ -15,8 +15,8 @@ Upstream's function names and argument orders; every tensor argument is updated 
 - ``maybe_cast(overflow_flag, p_in, p_out)`` / ``maybe_cast_mt(chunk_size, overflow_flag, [p_in, p_out])``:
   copy with conversion (fp32, fp16, bf16 or uint8 e5m2) unless the flag is set.
 
-``overflow_flag`` is an int32 one-element tensor. Runs on every device through the PyTorch
-references (no compiled kernel: the deprecated contrib optimizers accept that). Differences from
+``overflow_flag`` is an int32 one-element tensor. CUDA kernels on GPUs (``csrc/legacy_adam.cu``), the
+PyTorch references elsewhere. Differences from
 upstream: ``m``/``v`` are fp32 for fp16/bf16 ``p`` (upstream refuses such ``p``) and fp64 for fp64
 ``p``; ``maybe_cast`` with an empty flag casts unconditionally, as upstream.
 """

@@ -2,7 +2,9 @@
 
 Adam on flat shards with upstream's ``distributed_adam_cuda`` semantics, for what apex-optimizers'
 ``fused_adam`` does not take: optimizer state in fp16/bf16, and fp32 master weights kept as bf16
-parameters plus 16-bit remainders. Pure PyTorch references (they run on every device).
+parameters plus 16-bit remainders. The PyTorch references below are the CPU path, the fallback and the
+specification; on CUDA the kernels of ``csrc/distributed_adam.cu`` run them in one pass (fp32 subnormals
+flush to zero there: the build uses --use_fast_math).
 
 Shared conventions (those of upstream's kernels):
 - gradients are *multiplied* by ``grad_scale`` (a one-element fp32 tensor: upstream passes the

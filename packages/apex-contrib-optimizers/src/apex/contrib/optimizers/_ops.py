@@ -7,9 +7,11 @@ finite checks, the split LAMB of DistributedFusedLAMB). Where an apex-optimizers
 same arithmetic the classes call that instead (see ``fused_adam.py``, ``fused_sgd.py``,
 ``fused_lamb.py``).
 
-Pure PyTorch, no compiled kernels: the references run on every device, CUDA included (the deprecated
-classes accept that cost; the README says so). Flags (``overflow_flag``) are int32 one-element
-tensors on the device; nothing here reads them on the host. How an op is written: ``apex.core.library``.
+The PyTorch references below are the CPU path, the fallback and the specification; on CUDA the kernels
+of ``csrc/legacy_adam.cu`` (adam, adam_undo, maybe_cast, strided_check_finite) and
+``csrc/distributed_lamb.cu`` (the two LAMB stages) run them, one pass each. Flags (``overflow_flag``,
+``noop_flag``) are int32 one-element tensors on the device; nothing here reads them on the host. How an
+op is written: ``apex.core.library``.
 """
 
 from __future__ import annotations

@@ -84,8 +84,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     With ``dtype=torch.float32`` the step runs apex-optimizers' ``fused_adam`` op on the shards (its
     CUDA kernel on GPUs; it applies AdamW's decay as ``p * (1 - lr * wd)`` first, the same update);
-    with fp16/bf16 state or parameter remainders this package's ``distributed_adam*`` ops, which are
-    PyTorch code on every device (no CUDA kernel yet).
+    with fp16/bf16 state or parameter remainders this package's ``distributed_adam*`` ops (their CUDA
+    kernels on GPUs, one pass over the shard; the PyTorch references on the CPU).
 
     Args: (upstream's, in upstream's order)
         params: parameters or parameter groups (fp32, fp16 or bf16, contiguous, on ``device``).

@@ -82,7 +82,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
     ``zero_grad``, ``complete_reductions`` or ``step``, whichever comes first; a gradient hook notes
     that backward wrote them) rather than by per-block hooks during backward, and
     ``set_is_accumulation_step`` only keeps ``zero_grad`` from gathering; ``set_last_step`` records its flag.
-    Runs on the CPU (gloo) and CUDA (NCCL); this package's LAMB ops are PyTorch implementations.
+    Runs on the CPU (gloo) and CUDA (NCCL); this package's LAMB ops have CUDA kernels (PyTorch references
+    on the CPU).
     """
 
     def __init__(

@@ -83,7 +83,7 @@ class FusedAdam(torch.optim.Optimizer):
     gradients); with ``eps_inside_sqrt=False`` the step runs apex-optimizers' fused Adam kernel,
     which leaves ``grads`` divided by the combined scale when that is not 1 (upstream leaves
     them as they were). ``eps_inside_sqrt=True`` and fp64 parameters use this package's op
-    ``torch.ops.apex_contrib_optimizers.adam``, a PyTorch implementation on every device.
+    ``torch.ops.apex_contrib_optimizers.adam`` (a CUDA kernel on GPUs, its PyTorch reference elsewhere).
     """
 
     def __init__(
