@@ -118,3 +118,27 @@ class ReferenceLAMB:
                     pn, un = p.norm(), u.norm()
                     ratio = float(pn / un) if pn > 0 and un > 0 else 1.0
                 ps[i] = p - self.lr * ratio * u
+
+
+# flat shards (the distributed ops' inputs) ----------------------------------------------------------
+
+# Element offsets of each list's shards inside their buffers (params, [remainders,] m, v, g, out):
+# all 16-byte aligned, all misaligned alike (vector path after a scalar head), misaligned differently
+# (the all-scalar path).
+OFFSETS = {"aligned": (0,) * 6, "shifted": (3,) * 6, "mixed": (0, 1, 2, 3, 5, 4)}
+
+
+def shard(values: torch.Tensor, offset: int, dtype=None) -> torch.Tensor:
+    """``values`` (as ``dtype``) in a contiguous view starting ``offset`` elements into a larger buffer,
+    whose other elements are NaN (or -1 for integers)."""
+    dtype = dtype or values.dtype
+    fill = float("nan") if dtype.is_floating_point else -1
+    buffer = torch.full((values.numel() + offset + 5,), fill, dtype=dtype, device=values.device)
+    view = buffer[offset : offset + values.numel()]
+    view.copy_(values.reshape(-1))
+    return view
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (NaN == NaN)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).cpu()

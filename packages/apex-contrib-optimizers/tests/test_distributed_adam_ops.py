@@ -12,15 +12,13 @@ from apex.contrib.optimizers import _distributed_adam_ops as ops
 from apex.contrib.optimizers._plugin import KERNELS
 from apex.core import loader
 
+from ._reference import OFFSETS, bits, shard
+
 OPS = torch.ops.apex_contrib_optimizers
 # empty, one, odd, not a multiple of any vector width, many 2048-element chunks
 SIZES = [0, 1, 7, 33, 4099, 70001]
 CHUNK = 2048
 HYPER = dict(lr=1e-2, beta1=0.85, beta2=0.99, eps=1e-6, step=3, bias_correction=True, weight_decay=0.05)
-# Element offsets of each list's shards inside their buffers (params, [remainders,] m, v, g, out):
-# all 16-byte aligned, all misaligned alike (vector path after a scalar head), misaligned differently
-# (the all-scalar path).
-OFFSETS = {"aligned": (0,) * 6, "shifted": (3,) * 6, "mixed": (0, 1, 2, 3, 5, 4)}
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
@@ -37,17 +35,6 @@ def adam_float64(p, m, v, g, *, scale, lr, beta1, beta2, eps, step, mode, bias_c
     if mode == 1:
         update = update + weight_decay * p
     return p - lr * update, m, v
-
-
-def shard(values: torch.Tensor, offset: int, dtype=None) -> torch.Tensor:
-    """``values`` (as ``dtype``) in a contiguous view starting ``offset`` elements into a larger buffer,
-    whose other elements are NaN (or -1 for integers)."""
-    dtype = dtype or values.dtype
-    fill = float("nan") if dtype.is_floating_point else -1
-    buffer = torch.full((values.numel() + offset + 5,), fill, dtype=dtype, device=values.device)
-    view = buffer[offset : offset + values.numel()]
-    view.copy_(values.reshape(-1))
-    return view
 
 
 def random_state(n, device, seed):
@@ -108,11 +95,6 @@ def tolerance(dtype):
 
 def close(actual, expected, dtype):
     torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), **tolerance(dtype))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers (NaN == NaN)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).cpu()
 
 
 ADAM_CASES = [  # (state, grad, out)

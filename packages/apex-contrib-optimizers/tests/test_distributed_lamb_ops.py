@@ -13,7 +13,7 @@ import torch
 
 from apex.contrib.optimizers import _ops
 
-from .test_distributed_adam_ops import OFFSETS, bits, shard
+from ._reference import OFFSETS, bits, shard
 
 OPS = torch.ops.apex_contrib_optimizers
 SIZES = [0, 1, 7, 33, 4099, 140001]  # the kernels' chunks are 65536 elements: the last spans three

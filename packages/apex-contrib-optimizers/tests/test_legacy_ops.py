@@ -12,8 +12,7 @@ import torch
 
 from apex.contrib.optimizers import _ops
 
-from ._reference import ContribAdam
-from .test_distributed_adam_ops import OFFSETS, bits, shard
+from ._reference import OFFSETS, ContribAdam, bits, shard
 from .test_legacy import BAD
 
 OPS = torch.ops.apex_contrib_optimizers
