@@ -307,9 +307,12 @@ def scaler_case(rank: int, world: int, cfg: dict, device: torch.device):
         optimizer.zero_grad()
         if step == INF_STEP:
             skipped_step_changed = [i for i, (p, b) in enumerate(zip(model.ps, before)) if not torch.equal(p, b)]
-    # torch's scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check
+    # torch's scaler.unscale_ cannot see the shards: the step must refuse rather than skip the inf check.
+    # No parameter (the empty one included) keeps a gradient, so unscale_ finds nothing to unscale
+    # (on CUDA its kernel has no bf16 variant: a bf16 gradient left there would fail inside torch).
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     scaler.scale(model(probe_grads(9, 0, rank))).backward()
+    grads_left = [i for i, p in enumerate(model.ps) if p.grad is not None]
     scaler.unscale_(optimizer)
     try:
         scaler.step(optimizer)
@@ -322,6 +325,7 @@ def scaler_case(rank: int, world: int, cfg: dict, device: torch.device):
         skipped_step_changed=skipped_step_changed,
         state=optimizer.state_dict(),
         refused=refused,
+        grads_left=grads_left,
     )
 
 

@@ -161,6 +161,7 @@ def check_scaler(case, world, results):
             saved = out["state"]["state"][i]
             torch.testing.assert_close(saved["exp_avg"].double(), ref["exp_avg"][i], **_tol_state(cfg), msg=where)
             torch.testing.assert_close(saved["exp_avg_sq"].double(), ref["exp_avg_sq"][i], **_tol_state(cfg), msg=where)
+        assert out["grads_left"] == [], "after backward, gradients must live in the optimizer's shards only"
         assert out["refused"] is not None and "unscale_grads" in out["refused"]
 
 

@@ -69,7 +69,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     ``store_param_remainders``) for its shards only.
 
     During backward a hook on each parameter (``register_post_accumulate_grad_hook``) adds its
-    gradient to its buckets' local buffers (in ``grad_sync_dtype``) and sets ``param.grad`` to None;
+    gradient to its buckets' local buffers (in ``grad_sync_dtype``) and sets ``param.grad`` to None
+    (that of an empty parameter too: no trainable parameter keeps a gradient in ``param.grad``);
     with ``overlap_grad_sync`` a bucket whose parameters all have their gradient is reduce-scattered
     at once (asynchronously; at most ``pipeline_size`` collectives in flight), otherwise in
     :meth:`grad_sync` or :meth:`step`. Reduced shards accumulate over several backward passes until
@@ -274,7 +275,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._param_gathers_in_flight: list[_Bucket] = []
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._post_accumulate_grad_hook) for p in self._ordered_params
-        ]
+        ] + [p.register_post_accumulate_grad_hook(_drop_grad) for p in self._empty_params]
         self._forward_hook = None
         if self.overlap_param_sync:
             self_ref = weakref.ref(self)
@@ -298,6 +299,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _check_params(self, name: str) -> None:
         self._ordered_params: list[torch.Tensor] = []
+        self._empty_params: list[torch.Tensor] = []  # trainable, zero elements: no range in the buckets
         self._group_of: dict[torch.Tensor, int] = {}
         seen = set()
         for g, group in enumerate(self.param_groups):
@@ -313,8 +315,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     raise RuntimeError(
                         f"{name}: store_param_remainders=True needs bf16 parameters; {where} is {p.dtype}"
                     )
-                if p.requires_grad and p.numel() > 0 and p not in seen:
+                if p.requires_grad and p not in seen:
                     seen.add(p)
+                    if p.numel() == 0:
+                        self._empty_params.append(p)
+                        continue
                     self._ordered_params.append(p)
                     self._group_of[p] = g
         # Reverse order: a backward pass usually produces the last parameters' gradients first.
@@ -904,6 +909,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         hook = getattr(self, "_forward_hook", None)
         if hook is not None:
             hook.remove()
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    """The hook of an empty trainable parameter: like every parameter of the optimizer, it is left
+    with ``param.grad`` None after backward. Otherwise ``GradScaler.unscale_(optimizer)`` would still
+    find its (empty) gradient and run torch's unscale kernel on it, which on CUDA has no bf16 variant,
+    failing before :meth:`DistributedFusedAdam.step` can say that ``unscale_grads`` is the way."""
+    param.grad = None
 
 
 def _check_number(owner: str, name: str, value, allow_tensor: bool = False) -> None:
