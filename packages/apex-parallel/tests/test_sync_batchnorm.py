@@ -375,8 +375,8 @@ def test_single_process_float64(device, layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_masked_gradient_from_the_reduction(device, dtype, monkeypatch):
     """A fused-ReLU norm with z's gradient, the masked gradient written by the reduction and read by
-    the plain input-gradient kernel (sync_batchnorm._MASKED_IN_REDUCE) or made by the fused
-    input-gradient kernel (the default): both match torch's batch norm, z's gradients equal."""
+    the plain input-gradient kernel (sync_batchnorm._MASKED_IN_REDUCE, the default) or made by the fused
+    input-gradient kernel: both match torch's batch norm, z's gradients equal."""
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("bf16: the CUDA kernels' case (the CPU reference is the same code either way)")
     case = dict(name="masked", shape=(16, 6, 5), layout="channels_last_memory", seed=7, batches=[6], relu=True)
@@ -389,14 +389,6 @@ def test_masked_gradient_from_the_reduction(device, dtype, monkeypatch):
     assert (results[0]["grad_z"] == results[1]["grad_z"]).all()
     for key in ("grad_input", "grad_weight", "grad_bias"):
         close(torch.from_numpy(results[1][key]), torch.from_numpy(results[0][key]), dtype, key)
-
-
-def test_masked_gradient_switch_is_checked(monkeypatch):
-    monkeypatch.setenv("APEX_SYNCBN_MASKED_IN_REDUCE", "yes")
-    with pytest.raises(ValueError, match=r'APEX_SYNCBN_MASKED_IN_REDUCE must be "0" or "1", got "yes"'):
-        sync_batchnorm._env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
-    monkeypatch.setenv("APEX_SYNCBN_MASKED_IN_REDUCE", "1")
-    assert sync_batchnorm._env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
 
 
 @pytest.mark.gpu

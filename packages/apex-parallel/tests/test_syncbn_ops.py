@@ -216,13 +216,11 @@ WELFORD_C_LAST_SHAPES = [(2048, 64), (8, 56, 56, 64), (3, 1000, 7), (100003, 3),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["batch", "flush"])
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
 @pytest.mark.parametrize("shape", WELFORD_C_LAST_SHAPES, ids=["x".join(map(str, s)) for s in WELFORD_C_LAST_SHAPES])
-def test_welford_c_last_kernels(monkeypatch, kernel, dtype, shape):
-    """Both channels-last Welford kernels (APEX_SYNCBN_WELFORD_C_LAST picks one) against float64,
-    over row counts that take many flushes and chunks, with a mean far from zero (300, std 2)."""
-    monkeypatch.setenv("APEX_SYNCBN_WELFORD_C_LAST", kernel)
+def test_welford_c_last_kernel(dtype, shape):
+    """The channels-last Welford kernel against float64, over row counts that take many flushes and
+    chunks, with a mean far from zero (300, std 2)."""
     torch.manual_seed(0)
     x = (torch.randn(shape, device="cuda", dtype=torch.float64) * 2 + 300).to(dtype)
     mean, var = OPS.welford_mean_var_c_last(x)
@@ -231,13 +229,6 @@ def test_welford_c_last_kernels(monkeypatch, kernel, dtype, shape):
     torch.testing.assert_close(mean.double(), ref_mean, **tol, msg=lambda m: f"mean: {m}")
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=3e-4, atol=0)
     torch.testing.assert_close(var.double(), ref_var, **tol, msg=lambda m: f"var: {m}")
-
-
-@pytest.mark.gpu
-def test_welford_c_last_kernel_choice_is_checked(monkeypatch):
-    monkeypatch.setenv("APEX_SYNCBN_WELFORD_C_LAST", "fast")
-    with pytest.raises(RuntimeError, match=r'APEX_SYNCBN_WELFORD_C_LAST must be "batch" or "flush", got "fast"'):
-        OPS.welford_mean_var_c_last(torch.ones(4, 8, device="cuda"))
 
 
 @pytest.mark.parametrize("channel_last", [False, True], ids=["nchw", "c_last"])

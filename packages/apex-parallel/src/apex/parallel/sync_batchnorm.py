@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,20 +25,13 @@ def _count_tensor(count: int, device: torch.device) -> torch.Tensor:
     return found
 
 
-def _env_switch(name: str) -> bool:
-    """An environment variable that must be "0" (the default when unset) or "1"."""
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f'{name} must be "0" or "1", got "{value}"')
-    return value == "1"
-
-
 # Where a fused-ReLU backward with z's gradient gets the masked gradient: written by the reduction
-# (reduce_bn_relu_c_last's masked=True), then read by the plain input-gradient kernel (one pass less
-# than the default, which reads dy, x and z in both kernels and writes it from the second).
-# APEX_SYNCBN_MASKED_IN_REDUCE=1 at import, or set in-process; off until it has been timed on a GPU
-# (written while none was lent). Both give the same values up to the kernels' rounding.
-_MASKED_IN_REDUCE = _env_switch("APEX_SYNCBN_MASKED_IN_REDUCE")
+# (reduce_bn_relu_c_last's masked=True), then read by the plain input-gradient kernel: one pass less
+# than reading dy, x and z in both kernels and writing it from the second
+# (batch_norm_backward_relu_c_last's z_grad=True). H200, 256x256x56x56 bf16: 699 against 835 us for
+# the two kernels (2026-12-05, benchmarks/NOTES.md). Both give the same values up to the kernels'
+# rounding; the tests set this False to compare them.
+_MASKED_IN_REDUCE = True
 
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -96,8 +87,8 @@ def sync_batch_norm_backward(
     ``z_grad``; ``grad_weight``/``grad_bias`` are this rank's (the caller drops what it does not
     need). With ``input_grad`` the two per-channel sums are all-reduced over ``group``: every rank of
     it must call this. A fused ReLU's derivative is taken inside the reduction and the input
-    gradient's kernel (two passes over the tensors, not three); z's gradient comes from the second,
-    or, with ``_MASKED_IN_REDUCE``, from the first, which the second then reads instead of dy, x, z.
+    gradient's kernel (two passes over the tensors, not three); z's gradient comes from the first
+    (``_MASKED_IN_REDUCE``), which the second then reads instead of dy, x and z.
     """
     grad_output = grad_output.contiguous()
     if relu and input_grad:

@@ -6,14 +6,13 @@
 // folding kUnroll units (V elements each) at a time into its Welford state as one batch.
 // Channels-last: a block per (tile of channel units, chunk of rows); bx threads across
 // channels read whole 16-byte vectors of a row, by threads go down the rows; the by states of
-// a channel merge in shared memory in a fixed tree order. More than one chunk: partials
+// a channel merge in shared memory in a fixed tree order; each thread merges its rows into its
+// state through shifted sums every kFlushRows rows. More than one chunk: partials
 // [chunks, C] and a second kernel that merges them in chunk order.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -91,7 +90,7 @@ constexpr int kFlushRows = 8 * kUnroll;
 template <typename A>
 constexpr int kWelfordLastBlocks = std::is_same_v<A, double> ? 1 : 3;
 
-// The end of both channels-last kernels: the by states of each channel unit merge down
+// The end of the channels-last kernel: the by states of each channel unit merge down
 // threadIdx.y in shared memory (slot (y, x, k)) in a fixed tree order; row 0 writes them.
 template <int V, typename A>
 __device__ __forceinline__ void write_rows_merged(Welford<A> (&shared)[kThreads * V], const Welford<A> (&w)[V],
@@ -115,40 +114,8 @@ __device__ __forceinline__ void write_rows_merged(Welford<A> (&shared)[kThreads 
 }
 
 template <typename T, int V, typename A = acc_t<T>>
-__global__ void __launch_bounds__(kThreads) welford_channels_last(const T* __restrict__ input, int64_t rows,
-                                                                  int64_t channels, WelfordOut<A> out) {
-  __shared__ Welford<A> shared[kThreads * V];
-  const int64_t channel_units = channels / V;
-  const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const bool active = cu < channel_units;
-  Welford<A> w[V] = {};
-  const int64_t row_step = static_cast<int64_t>(gridDim.y) * blockDim.y;
-  for (int64_t r = blockIdx.y * static_cast<int64_t>(blockDim.y) + threadIdx.y; active && r < rows;
-       r += kUnroll * row_step) {
-    Packed<T, V> packed[kUnroll];
-    bool ok[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      ok[u] = r + u * row_step < rows;
-      packed[u] = load_packed<V>(input, (r + u * row_step) * channels + cu * V, ok[u]);
-    }
-    A x[kUnroll][V];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) unpack(x[u], packed[u]);
-#pragma unroll
-    for (int k = 0; k < V; ++k) {
-      A column[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) column[u] = ok[u] ? x[u][k] : A(0);
-      welford_batch(w[k], column, ok);
-    }
-  }
-  write_rows_merged(shared, w, active, cu, channels, out);
-}
-
-template <typename T, int V, typename A = acc_t<T>>
 __global__ void __launch_bounds__(kThreads, kWelfordLastBlocks<A>)
-    welford_channels_last_flush(const T* __restrict__ input, int64_t rows, int64_t channels, WelfordOut<A> out) {
+    welford_channels_last(const T* __restrict__ input, int64_t rows, int64_t channels, WelfordOut<A> out) {
   __shared__ Welford<A> shared[kThreads * V];
   const int64_t channel_units = channels / V;
   const int64_t cu = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -251,18 +218,6 @@ __global__ void __launch_bounds__(apex::kWarpSize* kFinalizeLanes)
   }
 }
 
-// Which channels-last kernel runs: APEX_SYNCBN_WELFORD_C_LAST=flush picks
-// welford_channels_last_flush, which has not yet run on a GPU (written while none was lent);
-// unset or "batch", welford_channels_last. Read at every call so that one build and one process
-// can test and time both. Goes once the flush kernel has been measured against the other.
-bool flush_kernel_chosen() {
-  const char* text = std::getenv("APEX_SYNCBN_WELFORD_C_LAST");
-  if (text == nullptr || std::strcmp(text, "batch") == 0 || text[0] == '\0') return false;
-  TORCH_CHECK(std::strcmp(text, "flush") == 0, "APEX_SYNCBN_WELFORD_C_LAST must be \"batch\" or \"flush\", got \"",
-              text, "\"");
-  return true;
-}
-
 std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& input, bool channel_last) {
   const int64_t channels = checks::input(op, input, channel_last);
   const c10::cuda::CUDAGuard device_guard(input.device());
@@ -307,19 +262,13 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         const int64_t rows = per_channel;
         const TileShape tile = tile_shape(channels / V);
         const int64_t tiles = ceil_div(channels / V, tile.bx);
-        const bool flush = flush_kernel_chosen();
-        int64_t chunks = 0;
-        if (flush) {
-          // As many chunks as fill the device at the kernel's own occupancy (its registers allow
-          // fewer than full_grid()'s eight blocks a multiprocessor: a ninth of a wave left over
-          // cost as much as a whole one), each thread with at least two flushes' rows.
-          const auto* kernel = reinterpret_cast<const void*>(&welford_channels_last_flush<T, V>);
-          const int64_t resident = static_cast<int64_t>(sm_count()) * apex::resident_blocks(kernel, kThreads, 0);
-          const int64_t useful = std::max<int64_t>(rows / (2 * static_cast<int64_t>(tile.by) * kFlushRows), 1);
-          chunks = std::min<int64_t>({ceil_div(resident, tiles), useful, kMaxChunks, 65535});
-        } else {
-          chunks = std::min<int64_t>(chunks_for(tiles, rows, static_cast<int64_t>(tile.by) * kUnroll), 65535);
-        }
+        // As many chunks as fill the device at the kernel's own occupancy (its registers allow
+        // fewer than full_grid()'s eight blocks a multiprocessor: a ninth of a wave left over
+        // cost as much as a whole one), each thread with at least two flushes' rows.
+        const auto* kernel = reinterpret_cast<const void*>(&welford_channels_last<T, V>);
+        const int64_t resident = static_cast<int64_t>(sm_count()) * apex::resident_blocks(kernel, kThreads, 0);
+        const int64_t useful = std::max<int64_t>(rows / (2 * static_cast<int64_t>(tile.by) * kFlushRows), 1);
+        const int64_t chunks = std::min<int64_t>({ceil_div(resident, tiles), useful, kMaxChunks, 65535});
         WelfordOut<A> out{mean.data_ptr<A>(), var.data_ptr<A>(), nullptr};
         if (chunks > 1) {
           partial = at::empty({chunks * channels * 3}, stats);
@@ -327,11 +276,7 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
         }
         const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(chunks));
         const dim3 block(tile.bx, tile.by);
-        if (flush) {
-          welford_channels_last_flush<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
-        } else {
-          welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
-        }
+        welford_channels_last<T, V><<<grid, block, 0, stream>>>(x, rows, channels, out);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (chunks > 1) {
           welford_finalize<A><<<finalize_grid(channels), finalize_block(), 0, stream>>>(

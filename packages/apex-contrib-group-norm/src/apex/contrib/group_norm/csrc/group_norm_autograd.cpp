@@ -51,8 +51,8 @@ std::tuple<Tensor, Tensor, Tensor> differentiable_grads(const Tensor& dy, const 
   const int64_t c = x.size(-1);
   const int64_t hw = n * c == 0 ? 0 : x.numel() / (n * c);
   const Tensor xg = x.to(at::kFloat).reshape({n, hw, groups, c / groups});
-  const Tensor centered = xg - xg.mean({1, 3}, /*keepdim=*/true);
-  const Tensor rstd = (centered.square().mean({1, 3}, /*keepdim=*/true) + eps).rsqrt();
+  const Tensor centered = xg - xg.mean(at::IntArrayRef{1, 3}, /*keepdim=*/true);
+  const Tensor rstd = (centered.square().mean(at::IntArrayRef{1, 3}, /*keepdim=*/true) + eps).rsqrt();
   const Tensor xhat = (centered * rstd).reshape({n, hw, c});
   Tensor g = dy.to(at::kFloat).reshape({n, hw, c});
   if (silu) {
@@ -62,11 +62,11 @@ std::tuple<Tensor, Tensor, Tensor> differentiable_grads(const Tensor& dy, const 
     g = g * (s * (1 + z * (1 - s)));
   }
   Tensor dweight, dbias;
-  if (weight.defined()) dweight = (g * xhat).sum({0, 1}).to(weight.scalar_type());
-  if (bias.defined()) dbias = g.sum({0, 1}).to(bias.scalar_type());
+  if (weight.defined()) dweight = (g * xhat).sum(at::IntArrayRef{0, 1}).to(weight.scalar_type());
+  if (bias.defined()) dbias = g.sum(at::IntArrayRef{0, 1}).to(bias.scalar_type());
   const Tensor gw = (weight.defined() ? g * weight.to(at::kFloat) : g).reshape({n, hw, groups, c / groups});
   const Tensor xhat_g = xhat.reshape({n, hw, groups, c / groups});
-  const Tensor dx = rstd * (gw - gw.mean({1, 3}, true) - xhat_g * (gw * xhat_g).mean({1, 3}, true));
+  const Tensor dx = rstd * (gw - gw.mean(at::IntArrayRef{1, 3}, true) - xhat_g * (gw * xhat_g).mean(at::IntArrayRef{1, 3}, true));
   return {dx.reshape(x.sizes()).to(x.scalar_type()), dweight, dbias};
 }
 
