@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -46,9 +48,22 @@ def timed_ms(tensor: torch.Tensor) -> float:
 
 
 def rank_main(rank: int, store_file: str, samples: int, results) -> None:
+    """One rank's timings, put on ``results`` as (rank, None, rows); a failure as (rank, message, None)."""
+    try:
+        results.put((rank, None, _rank_rows(rank, store_file, samples)))
+    except Exception as error:  # reported by the parent, which then stops the other rank
+        results.put((rank, f"{type(error).__name__}: {error}", None))
+
+
+def _rank_rows(rank: int, store_file: str, samples: int) -> list:
     import apex.contrib.nccl_allocator as nccl_allocator
 
+    nvls = os.environ.get("NCCL_NVLS_ENABLE")
     nccl_allocator.init()
+    if nvls is not None:
+        # init() turns NVLink SHARP on, as upstream; a machine that sets NCCL_NVLS_ENABLE keeps its setting
+        # (shared hosts turn it off: NVLS there can take the GPUs out of service).
+        os.environ["NCCL_NVLS_ENABLE"] = nvls
     torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl",
@@ -59,6 +74,7 @@ def rank_main(rank: int, store_file: str, samples: int, results) -> None:
         device_id=torch.device("cuda", rank),
     )
     try:
+        # RuntimeError saying why where PyTorch's NCCL backend offers no ncclMemAlloc allocator here
         pool = nccl_allocator.create_nccl_mem_pool()
         rows = []
         for size in SIZES_BYTES:
@@ -76,8 +92,7 @@ def rank_main(rank: int, store_file: str, samples: int, results) -> None:
                     times["plain"].append(timed_ms(plain.zero_()))
                 rows.append((size, dtype, statistics.median(times["pool"]), statistics.median(times["plain"])))
                 del pooled, plain, check
-        if rank == 0:
-            results.put(rows)
+        return rows
     finally:
         dist.destroy_process_group()
 
@@ -92,12 +107,34 @@ def main(argv: list[str] | None = None) -> int:
     procs = [context.Process(target=rank_main, args=(r, store, args.samples, results)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    rows_raw = results.get(timeout=1800)
+    rows_of, errors = {}, {}
+    deadline = time.monotonic() + 1800
+    while len(rows_of) + len(errors) < WORLD and time.monotonic() < deadline:
+        try:
+            rank, error, rows = results.get(timeout=1.0)
+        except queue.Empty:
+            for r, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and r not in rows_of and r not in errors:
+                    errors[r] = f"exited with code {p.exitcode} without reporting"
+            continue
+        if error is None:
+            rows_of[rank] = rows
+        else:
+            errors[rank] = error
+            deadline = min(deadline, time.monotonic() + 10.0)  # the other rank may wait on this one: not long
     for p in procs:
-        p.join()
-    if any(p.exitcode != 0 for p in procs):
-        print("bench_nccl_allocator: a rank failed", file=sys.stderr)
+        p.join(timeout=5.0 if not errors else 0.5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    if errors or 0 not in rows_of:
+        for r in range(WORLD):
+            if r in errors:
+                print(f"bench_nccl_allocator: rank {r}: {errors[r]}", file=sys.stderr)
+        if not errors:
+            print("bench_nccl_allocator: rank 0 did not report within 30 minutes", file=sys.stderr)
         return 1
+    rows_raw = rows_of[0]
     rows, verdicts = [], []
     for size, dtype, pool_ms, plain_ms in rows_raw:
         bus = 2 * (WORLD - 1) / WORLD * size / (pool_ms * 1e-3) / 1e9

@@ -113,6 +113,28 @@ def test_allocator_needs_an_nccl_backend(available, tmp_path):
         torch.distributed.destroy_process_group()
 
 
+class RefusingBackend:
+    """ProcessGroupNCCL where PyTorch offers no NCCL memory allocator (torch 2.11 on a device without multicast)."""
+
+    @property
+    def mem_allocator(self):
+        raise RuntimeError("NCCL mem allocator is not supported in this NCCL version")
+
+    def supports_tensor_alloc(self, device):
+        return False
+
+
+def test_allocator_refused_by_pytorch_raises_saying_so(available, monkeypatch):
+    monkeypatch.setattr(nccl_allocator, "_default_group", lambda function: "group")
+    monkeypatch.setattr(nccl_allocator, "_nccl_backend", lambda function, group, device: RefusingBackend())
+    expected = r"^get_nccl_allocator: PyTorch's NCCL backend offers no ncclMemAlloc allocator on cuda:0"
+    with pytest.raises(RuntimeError, match=expected) as info:
+        nccl_allocator._nccl_allocator("get_nccl_allocator", device=0)
+    message = str(info.value)
+    assert "not supported in this NCCL version" in message and "supports_tensor_alloc(cuda:0) is False" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 # ---------------------------------------------------------------- CPU: symmetric and registration, on stand-ins
 
 
@@ -244,10 +266,47 @@ def test_nccl_mem_rejects_what_is_not_a_pool(fake_torch):
 
 
 # ---------------------------------------------------------------- GPU: real NCCL pools (run by run_ranks)
+#
+# Whether PyTorch's NCCL backend offers its ncclMemAlloc allocator depends on the machine: PyTorch refuses
+# (ProcessGroupNCCL.mem_allocator raises RuntimeError) unless NCCL has ncclMemAlloc and, by its own check, the
+# device supports CUDA multicast. Each worker asks PyTorch directly, not through the package; where it is
+# offered, the pool tests run; where it is not, the package's functions must say so clearly. (None of these
+# call nccl_allocator.init(): it would turn NCCL's NVLink SHARP on, which the test machines keep off.)
+
+
+def _torch_refuses_nccl_mem_alloc() -> str | None:
+    """PyTorch's reason for offering no NCCL memory allocator on the current device, or None where it offers one."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    backend = torch.distributed.group.WORLD._get_backend(device)
+    try:
+        _ = backend.mem_allocator
+    except RuntimeError as error:
+        return str(error) or type(error).__name__
+    return None
+
+
+def _refusals() -> dict[str, str]:
+    """The errors of the package's allocator functions, on a machine where PyTorch offers no allocator."""
+    out = {}
+    for name, call in (
+        ("create_nccl_mem_pool", nccl_allocator.create_nccl_mem_pool),
+        ("get_nccl_allocator", _apex_nccl_allocator.get_nccl_allocator),
+    ):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                call()
+            out[name] = "no error"
+        except Exception as error:  # the test checks the type and the message
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
 
 
 def _allocate_in_pool(rank, world_size):
     """One rank: a pool from ProcessGroupNCCL's allocator; a tensor made under nccl_mem lives in it."""
+    refused = _torch_refuses_nccl_mem_alloc()
+    if refused is not None:
+        return dict(refused=refused, errors=_refusals())
     pool = nccl_allocator.create_nccl_mem_pool()
     assert isinstance(pool, torch.cuda.MemPool)
     with nccl_allocator.nccl_mem(pool):
@@ -258,15 +317,40 @@ def _allocate_in_pool(rank, world_size):
     torch.distributed.all_reduce(x)
     torch.cuda.synchronize()
     legacy = _apex_nccl_allocator.get_nccl_allocator()
-    return in_pool, x.cpu(), legacy is not None
+    return dict(refused=None, in_pool=in_pool, x=x.cpu(), legacy=legacy is not None)
+
+
+@pytest.fixture(scope="module")
+def one_rank_pool():
+    (out,) = run_ranks(__file__, "_allocate_in_pool", 1, backend="nccl")
+    return out
+
+
+def _skip_without_nccl_mem_alloc(out):
+    if out["refused"] is not None:
+        pytest.skip(
+            "needs PyTorch's NCCL memory allocator (ProcessGroupNCCL.mem_allocator: NCCL with ncclMemAlloc and a "
+            f"device with CUDA multicast support), which this machine lacks: {out['refused']}"
+        )
 
 
 @pytest.mark.gpu
-def test_pool_allocates_in_ncclmemalloc_memory():
-    ((in_pool, x, legacy),) = run_ranks(__file__, "_allocate_in_pool", 1, backend="nccl")
-    assert in_pool == [True, False]
-    torch.testing.assert_close(x, torch.arange(1 << 20, dtype=torch.float32), rtol=0, atol=0)
-    assert legacy
+def test_pool_allocates_in_ncclmemalloc_memory(one_rank_pool):
+    _skip_without_nccl_mem_alloc(one_rank_pool)
+    assert one_rank_pool["in_pool"] == [True, False]
+    torch.testing.assert_close(one_rank_pool["x"], torch.arange(1 << 20, dtype=torch.float32), rtol=0, atol=0)
+    assert one_rank_pool["legacy"]
+
+
+@pytest.mark.gpu
+def test_without_nccl_mem_alloc_the_allocator_functions_say_so(one_rank_pool):
+    if one_rank_pool["refused"] is None:
+        pytest.skip("PyTorch offers its NCCL memory allocator here: the refusal path is not reachable")
+    for name, error in one_rank_pool["errors"].items():
+        assert error.startswith(f"RuntimeError: {name}: PyTorch's NCCL backend offers no ncclMemAlloc allocator on "), (
+            error
+        )
+        assert one_rank_pool["refused"].splitlines()[0] in error, "the error must carry PyTorch's reason"
 
 
 def _rank_data(rank, size):
@@ -275,6 +359,9 @@ def _rank_data(rank, size):
 
 
 def _all_reduce_pool_and_plain(rank, world_size):
+    refused = _torch_refuses_nccl_mem_alloc()
+    if refused is not None:
+        return dict(refused=refused)
     sizes = [1, 7, 4097, 1 << 22]
     pool = nccl_allocator.create_nccl_mem_pool()
     with nccl_allocator.nccl_mem(pool):
@@ -284,14 +371,16 @@ def _all_reduce_pool_and_plain(rank, world_size):
         torch.distributed.all_reduce(p)
         torch.distributed.all_reduce(q)
     torch.cuda.synchronize()
-    return [p.cpu() for p in pooled], [q.cpu() for q in plain], sizes
+    return dict(refused=None, pooled=[p.cpu() for p in pooled], plain=[q.cpu() for q in plain], sizes=sizes)
 
 
 @pytest.mark.multigpu
 def test_all_reduce_of_pool_tensors_matches_a_plain_one():
     results = run_ranks(__file__, "_all_reduce_pool_and_plain", 2, backend="nccl")
-    for pooled, plain, sizes in results:
-        for p, q, n in zip(pooled, plain, sizes):
+    for out in results:
+        _skip_without_nccl_mem_alloc(out)
+    for out in results:
+        for p, q, n in zip(out["pooled"], out["plain"], out["sizes"]):
             expected = sum(_rank_data(r, n).double() for r in range(2))
             torch.testing.assert_close(p.double(), expected, rtol=1e-6, atol=1e-6)
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)

@@ -27,7 +27,10 @@ Differences from upstream, on purpose:
 - ``nccl_mem`` also takes a ``torch.device``; a non-CUDA device raises ValueError (upstream asserts); a failed
   registration on exit warns (upstream ignores it silently); allocations go to ``device``'s pool.
 - On a PyTorch without CUDA, distributed or NCCL support, every function raises RuntimeError saying what is
-  missing; importing never fails.
+  missing; importing never fails. Where PyTorch's NCCL backend offers no ``mem_allocator`` on this machine (it
+  refuses unless NCCL has ``ncclMemAlloc`` and, by its own check, the device supports CUDA multicast),
+  ``create_nccl_mem_pool`` and ``get_nccl_allocator`` raise RuntimeError saying so (upstream would allocate with
+  ``ncclMemAlloc`` anyway).
 """
 
 from __future__ import annotations
@@ -124,16 +127,35 @@ def _nccl_allocator(function: str, group=None, device=None):
     backend = _nccl_backend(function, _default_group(function) if group is None else group, device)
     try:
         allocator = backend.mem_allocator
-    except (AttributeError, RuntimeError) as error:
+    except AttributeError as error:
         raise RuntimeError(
-            f"{function}: ProcessGroupNCCL of torch {torch.__version__} provides no NCCL memory allocator "
-            f"(mem_allocator): {error}"
+            f"{function}: ProcessGroupNCCL of torch {torch.__version__} has no NCCL memory allocator (mem_allocator)"
+        ) from error
+    except RuntimeError as error:
+        # PyTorch refuses where NCCL lacks ncclMemAlloc or (its own check) the device lacks CUDA multicast
+        # support, whatever its message says; supports_tensor_alloc tells which, where it exists.
+        raise RuntimeError(
+            f"{function}: PyTorch's NCCL backend offers no ncclMemAlloc allocator on {device} "
+            f"(ProcessGroupNCCL.mem_allocator raised: {error}){_tensor_alloc_note(backend, device)}; "
+            "this machine cannot use NCCL-allocated pools"
         ) from error
     if callable(allocator):  # some builds expose a method rather than a property
         allocator = allocator()
     if allocator is None:
         raise RuntimeError(f"{function}: ProcessGroupNCCL of torch {torch.__version__} returned no mem_allocator")
     return allocator
+
+
+def _tensor_alloc_note(backend, device: torch.device) -> str:
+    """What ``ProcessGroupNCCL.supports_tensor_alloc(device)`` says, for an error message ('' where unknown)."""
+    check = getattr(backend, "supports_tensor_alloc", None)
+    if check is None:
+        return ""
+    try:
+        supported = bool(check(device))
+    except (RuntimeError, TypeError):
+        return ""
+    return f"; supports_tensor_alloc({device}) is {supported}"
 
 
 def _parameters(function) -> tuple[str, ...]:
