@@ -48,6 +48,17 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 3 * torch.finfo(dtype).eps if dtype != torch.float32 else 16 * torch.finfo(dtype).eps
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """float32 is compared with float64 at float32's precision. PyTorch lets cuDNN round float32 convolution
+    inputs to TF32 (10-bit mantissa, relative error ~1e-3) by default (``torch.backends.cudnn.allow_tf32``);
+    the ops follow that switch as ``nn.Conv2d`` does, so the tests turn it off (no effect on the CPU)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
+
 def assert_close_to_float64(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     tol = _tolerance(dtype)
     scale = expected.square().mean().sqrt().item() if expected.numel() else 0.0
@@ -272,7 +283,8 @@ def test_bad_mask_and_scale(device):
     with pytest.raises(ValueError, match=r"^conv_frozen_scale_bias_relu_forward: scale must have shape \(1, 3, 1, 1\)"):
         ConvFrozenScaleBiasReLU(a["x"], a["weight"], torch.ones(2, device=device), a["bias"], 1, 1)
     with pytest.raises(ValueError, match=r"^conv_bias_relu_backward: grad_out must have the output's shape"):
-        fused_conv_bias_relu.backward([a["x"], a["weight"], torch.ones(2, 3, 6, 6), torch.ones(2, 3, 5, 5)], 1, 1)
+        out, grad_out = torch.ones(2, 3, 6, 6, device=device), torch.ones(2, 3, 5, 5, device=device)
+        fused_conv_bias_relu.backward([a["x"], a["weight"], out, grad_out], 1, 1)
 
 
 # opcheck and torch.compile ------------------------------------------------------------------------

@@ -8,7 +8,9 @@ Where we differ from upstream on purpose:
 
 - upstream runs channels-last float16 on CUDA only (cuDNN runtime fusion); these take float32,
   float16 and bfloat16, contiguous or channels-last, on any device, and return the output (and
-  ``x``'s gradient) in ``x``'s memory format;
+  ``x``'s gradient) in ``x``'s memory format; float32 convolutions follow PyTorch's TF32 switch
+  (``torch.backends.cudnn.allow_tf32``, on by default: cuDNN may round float32 inputs to TF32's
+  10-bit mantissa on Ampere and later), as ``nn.Conv2d`` does;
 - under autocast upstream casts its floating inputs to float16 (``custom_fwd(cast_inputs=
   torch.half)``); these cast them to the autocast dtype of ``x``'s device (float16 by default on
   CUDA, so the same there; bfloat16 under ``autocast(dtype=torch.bfloat16)``), and compute with
