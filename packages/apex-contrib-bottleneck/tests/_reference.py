@@ -44,16 +44,30 @@ def _frozen_bn(z, state, prefix):
     return (z - mean.view(view)) / var.sqrt().view(view) * weight.view(view) + bias.view(view)
 
 
-def reference(x, state, stride: int):
-    """The block on float64 NCHW ``x`` with the weights of ``state`` (differentiable in x and weights)."""
-    out = torch.relu(_frozen_bn(F.conv2d(x, state["conv1.weight"], stride=stride), state, "bn1."))
-    out = torch.relu(_frozen_bn(F.conv2d(out, state["conv2.weight"], padding=1), state, "bn2."))
+def _relu(z, mask):
+    """ReLU; with ``mask``, ``z`` kept where ``mask`` is set: the same value up to the rounding that put ``z``
+    on the mask's side of zero, and the derivative ``mask``."""
+    return torch.relu(z) if mask is None else torch.where(mask, z, torch.zeros_like(z))
+
+
+def reference(x, state, stride: int, relu_masks=None):
+    """The block on float64 NCHW ``x`` with the weights of ``state`` (differentiable in x and weights).
+
+    ``relu_masks``: three boolean NCHW tensors, where the block under test found its three ReLUs' outputs
+    (conv1's, conv2's, the block's) positive, for the gradients. A pre-activation within the run's rounding
+    of zero may fall on either side of it there (its value, near zero either way, is checked by the
+    forward); float64's own sign would then move the gradient by a whole term (a weight times an output
+    gradient), far beyond rounding, at one element of every few hundred in bfloat16. With the run's signs
+    the reference's gradients are the exact derivative of the function the run took."""
+    m1, m2, m3 = (None, None, None) if relu_masks is None else relu_masks
+    out = _relu(_frozen_bn(F.conv2d(x, state["conv1.weight"], stride=stride), state, "bn1."), m1)
+    out = _relu(_frozen_bn(F.conv2d(out, state["conv2.weight"], padding=1), state, "bn2."), m2)
     out = _frozen_bn(F.conv2d(out, state["conv3.weight"]), state, "bn3.")
     if "downsample.0.weight" in state:
         identity = _frozen_bn(F.conv2d(x, state["downsample.0.weight"], stride=stride), state, "downsample.1.")
     else:
         identity = x
-    return torch.relu(out + identity)
+    return _relu(out + identity, m3)
 
 
 def close(actual, expected, dtype, what=""):
@@ -63,5 +77,5 @@ def close(actual, expected, dtype, what=""):
         expected.detach().cpu(),
         rtol=tol,
         atol=tol * float(expected.detach().abs().max()),
-        msg=what,
+        msg=lambda message: f"{what}: {message}",
     )

@@ -4,16 +4,18 @@ fast_bottleneck module; single-process halo exchanger semantics."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+from unittest import mock
 
 import fast_bottleneck
 import pytest
 import torch
 
-from apex.contrib.bottleneck import Bottleneck, FrozenBatchNorm2d, HaloExchangerNoComm, SpatialBottleneck
+from apex.contrib.bottleneck import Bottleneck, FrozenBatchNorm2d, HaloExchangerNoComm, SpatialBottleneck, _block
 
 from ._reference import close, randomize, reference, reference_state
 
@@ -29,6 +31,17 @@ def make(shape, dtype, use_cudnn, explicit_nhwc=False, seed=0):
     return randomize(block, seed).to(dtype)
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """float32 is compared with float64 at float32's precision. PyTorch lets cuDNN round float32 convolution
+    inputs to TF32 (10-bit mantissa, relative error ~1e-3) by default (``torch.backends.cudnn.allow_tf32``);
+    the block follows that switch as ``nn.Conv2d`` does, so the tests turn it off (no effect on the CPU)."""
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = saved
+
+
 def run(block, x, dy):
     x = x.detach().requires_grad_()
     y = block(x)
@@ -36,18 +49,50 @@ def run(block, x, dy):
     return y, grads
 
 
+@contextlib.contextmanager
+def recording_hidden_relus(block):
+    """Collects the outputs of conv1's and conv2's ReLUs (NCHW) in the forward of ``block`` under test: the
+    fused ``ConvFrozenScaleBiasReLU`` calls of the ``use_cudnn`` path, the ``relu`` module's first two calls
+    of the module path."""
+    recorded = []
+    if block.use_cudnn:
+        fused = _block.ConvFrozenScaleBiasReLU
+
+        def record(*args):
+            out = fused(*args)
+            recorded.append(out.detach().clone())
+            return out
+
+        with mock.patch.object(_block, "ConvFrozenScaleBiasReLU", record):
+            yield recorded
+    else:
+        handle = block.relu.register_forward_hook(lambda module, args, out: recorded.append(out.detach().clone()))
+        try:
+            yield recorded
+        finally:
+            handle.remove()
+        del recorded[2:]  # the third call is the block's output ReLU
+
+
 def check_against_reference(block, x, dy, dtype, explicit_nhwc=False):
-    y, grads = run(block, x, dy)
+    x_in = x.detach().requires_grad_()
+    with recording_hidden_relus(block) as hidden:
+        y = block(x_in)
+    grads = torch.autograd.grad(y, [x_in, *block.w_conv], dy)
+    assert len(hidden) == 2, "the block's hidden ReLUs were not recorded: the test's recorder needs updating"
     state = reference_state(block)
     names = ["conv1.weight", "conv2.weight", "conv3.weight", "downsample.0.weight"][: len(grads) - 1]
     x64 = (x.permute(0, 3, 1, 2) if explicit_nhwc else x).double().requires_grad_()
     weights = [state[n].requires_grad_() for n in names]
-    expected = reference(x64, state, block.stride)
-    dy64 = (dy.permute(0, 3, 1, 2) if explicit_nhwc else dy).double()
-    expected_grads = torch.autograd.grad(expected, [x64, *weights], dy64)
     if explicit_nhwc:
         y = y.permute(0, 3, 1, 2)
         grads = [g.permute(0, 3, 1, 2) for g in grads]
+    expected = reference(x64, state, block.stride)
+    # gradients: the float64 derivative at the ReLU signs the run under test took (see reference())
+    masks = [t > 0 for t in (*hidden, y.detach())]
+    with_run_signs = reference(x64, state, block.stride, masks)
+    dy64 = (dy.permute(0, 3, 1, 2) if explicit_nhwc else dy).double()
+    expected_grads = torch.autograd.grad(with_run_signs, [x64, *weights], dy64)
     assert y.dtype == dtype
     close(y, expected, dtype, "output")
     for name, got, want in zip(["x", *names], grads, expected_grads):
