@@ -77,7 +77,8 @@ class Bottleneck(nn.Module):
             ``[K, R, S, C]`` (as upstream: permuted after initialisation); needs ``use_cudnn=True``.
 
     The module's parameters set the compute dtype: ``x`` must have their dtype (``.half()`` the block
-    for float16 input, as upstream).
+    for float16 input, as upstream). float32 convolutions follow ``torch.backends.cudnn.allow_tf32``
+    (PyTorch's default allows TF32 on CUDA), as ``nn.Conv2d`` does.
     """
 
     def __init__(
