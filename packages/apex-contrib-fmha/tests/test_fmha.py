@@ -151,18 +151,38 @@ def test_dropout_mean_over_runs_is_the_undropped_output(device):
     torch.testing.assert_close(total.cpu() / runs, expected.cpu(), rtol=0, atol=0.15)
 
 
-def test_dropout_keeps_the_expectation(device):
-    # With zero queries (uniform probabilities 1/64) and every value row 1, an output element is
-    # sum_j keep_j / (64 (1 - p)): 1 in expectation, standard deviation sqrt(p / (1 - p) / 64) = 0.08;
-    # the mean of 16384 of them (independent masks) is within 0.003 of 1 (4.7 sigma).
+def uniform_attention_runs(device, dtype, runs):
+    """``[runs, 128, heads 4, 8]`` outputs of two sequences of 64 tokens with zero queries (uniform
+    probabilities 1/64) and every value row 1, dropout 0.3: an output element is
+    ``sum_j keep_j / (64 (1 - p))``, the same for the 8 features of a (token, head)."""
     lengths = [64, 64]
-    qkv = ref.random_qkv(lengths, 4, 8, torch.float32, device)
+    qkv = ref.random_qkv(lengths, 4, 8, dtype, device)
     qkv[:, 0] = 0.0
     qkv[:, 2] = 1.0
     cu_seqlens = ref.cu_seqlens_of(lengths, device)
-    runs = torch.stack([FMHAFun.apply(qkv, cu_seqlens, 0.3, 64, True, False) for _ in range(32)])
+    return torch.stack([FMHAFun.apply(qkv, cu_seqlens, 0.3, 64, True, False) for _ in range(runs)])
+
+
+def test_dropout_keeps_the_expectation(device):
+    # An element is 1 in expectation, standard deviation sqrt(p / (1 - p) / 64) = 0.08; the mean of
+    # the 16384 (run, token, head) values (independent masks: checked below) is within 0.003 of 1
+    # (4.7 sigma).
+    runs = uniform_attention_runs(device, torch.float32, 32)
     assert abs(runs.double().mean().item() - 1.0) < 0.003
     assert runs.double().std().item() > 0.05  # dropout happened: without it every element is 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dropout_masks_are_independent_across_heads_and_sequences(device, dtype):
+    # Two (token, head) values are equal when their kept counts are, which for independent masks
+    # (Binomial(64, 0.7) counts, sd 3.7) happens with probability sum_k P(k)^2 = 0.08; a kernel that
+    # reuses one mask for every head or every sequence of a call makes them all equal. Over 1024
+    # pairs each fraction is 0.08 +- 0.01, far below the bound 0.5. In 16 bits distinct counts stay
+    # distinct: they differ by 1 / 44.8 = 0.022, and rounding moves each by at most 0.004 (bfloat16).
+    runs = uniform_attention_runs(device, dtype, 8)[..., 0].double()  # [runs, token, head]
+    assert runs.std().item() > 0.05
+    assert (runs[:, :, 0] == runs[:, :, 1]).double().mean().item() < 0.5  # heads 0 and 1
+    assert (runs[:, :64] == runs[:, 64:]).double().mean().item() < 0.5  # sequence 0 and 1, token by token
 
 
 def test_zero_tensors_zeroes_the_rows_past_cu_seqlens(device):
@@ -231,19 +251,19 @@ def test_torch_compile_of_the_module_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("dtype", "path", "fullgraph"), [(torch.float16, "varlen", True), (torch.float32, "nested", False)]
-)
-def test_torch_compile_of_the_module_cuda(dtype, path, fullgraph):
-    # Inductor; the varlen path is a custom op (one graph), the nested one builds nested tensors.
+@pytest.mark.parametrize(("dtype", "eager_path"), [(torch.float16, "varlen"), (torch.float32, "nested")])
+def test_torch_compile_of_the_module_cuda(dtype, eager_path):
+    # Inductor, one graph. The varlen path is a custom op; in eager mode float32 takes the nested
+    # path, which torch.compile cannot carry through a backward (nested tensors across the graph
+    # break SDPA makes), so while compiling plan() gives the padded path.
     torch._dynamo.reset()
     lengths = [64, 1, 100]
     module = FMHA(Config(hidden_size=1024, num_attention_heads=16, attention_probs_dropout_prob=0.1))
     qkv = ref.random_qkv(lengths, 16, 64, dtype, "cuda").reshape(165, 3072)
-    if path == "varlen" and _attention._varlen_attn is None:
+    if eager_path == "varlen" and _attention._varlen_attn is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
-    assert _attention.plan(qkv.view(165, 3, 16, 64), 0.1, False) == path
-    compiled = torch.compile(module, fullgraph=fullgraph)
+    assert _attention.plan(qkv.view(165, 3, 16, 64), 0.1, False) == eager_path
+    compiled = torch.compile(module, fullgraph=True)
     leaf = qkv.clone().requires_grad_()
     out = compiled(leaf, ref.cu_seqlens_of(lengths, "cuda"), 128, is_training=False)
     dout = torch.randn_like(out)

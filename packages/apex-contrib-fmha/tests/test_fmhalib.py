@@ -27,15 +27,15 @@ def assert_close_to(actual, expected, dtype):
 
 def reference_gradients(qkv, dout, keep, p_dropout):
     """float64 ``(dqkv, dscores)``: ``dscores [batch, heads, MAX_S, MAX_S]`` is the gradient of each
-    sequence's scaled scores (zero outside its ``length x length`` block)."""
-    leaf = qkv.detach().double().requires_grad_()
+    sequence's scaled scores (zero outside its ``length x length`` block), computed on the CPU."""
+    leaf = qkv.detach().cpu().double().requires_grad_()
     dscores = torch.zeros(len(LENGTHS), HEADS, MAX_S, MAX_S, dtype=torch.float64)
     outputs, score_leaves, start = [], [], 0
     for index, length in enumerate(LENGTHS):
         q, k, v = leaf[start : start + length].unbind(1)
         scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(HEAD_DIM)
         scores.retain_grad()
-        probs = torch.softmax(scores, dim=-1) * keep[index, :, :length, :length].double().cpu() / (1 - p_dropout)
+        probs = torch.softmax(scores, dim=-1) * keep[index, :, :length, :length].cpu().double() / (1 - p_dropout)
         outputs.append(torch.einsum("hqk,khd->qhd", probs, v))
         score_leaves.append(scores)
         start += length

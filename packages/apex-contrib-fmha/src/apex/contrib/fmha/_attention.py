@@ -12,10 +12,15 @@ Paths (``plan``), all differentiable by autograd through public torch ops:
   padding), on CUDA sm80+ for float16/bfloat16, head_dim a multiple of 8 up to 256, and no active
   dropout (it has no dropout argument). Only where torch has it (2.10+).
 - ``"nested"``: ``scaled_dot_product_attention`` on jagged nested tensors that view the packed rows
-  (no padding; flash or memory-efficient kernels with dropout): CUDA otherwise.
+  (no padding): the other CUDA cases without dropout (memory-efficient kernel, e.g. float32), and
+  dropout where FlashAttention takes the inputs (float16/bfloat16, head_dim as above; run with
+  only the flash and math backends allowed). Not while ``torch.compile`` traces.
 - ``"padded"``: the reference: the sequences padded to ``max_s`` in one batch, explicit matmul,
   softmax with a key-padding mask and dropout, in float32 for 16-bit input (float64 for float64),
-  rounded once. Every other device (the CPU).
+  rounded once. Every other device (the CPU); on CUDA, dropout that FlashAttention cannot take
+  (e.g. float32: torch's memory-efficient kernel on jagged inputs reuses one dropout mask for every
+  head and sequence of a call), and everything but ``"varlen"`` while ``torch.compile`` traces
+  (nested tensors do not survive the graph break SDPA makes on them into the backward).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -93,21 +99,35 @@ def _flash_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
+def _flash_eligible(qkv) -> bool:
+    """FlashAttention takes these inputs: CUDA sm80+, float16/bfloat16, head_dim a multiple of 8 up to 256."""
+    head_dim = qkv.shape[-1]
+    return (
+        _flash_capable(qkv.device.index)
+        and qkv.dtype in (torch.float16, torch.bfloat16)
+        and head_dim % 8 == 0
+        and head_dim <= 256
+    )
+
+
 def plan(qkv, p_dropout, is_training) -> str:
     """The path for these inputs (see the module docstring)."""
     if qkv.device.type != "cuda":
         return "padded"
-    head_dim = qkv.shape[-1]
     dropout = is_training and p_dropout > 0.0
-    if (
-        _varlen_attn is not None
-        and _flash_capable(qkv.device.index)
-        and not dropout
-        and qkv.dtype in (torch.float16, torch.bfloat16)
-        and head_dim % 8 == 0
-        and head_dim <= 256
-    ):
+    flash = _flash_eligible(qkv)
+    if flash and not dropout and _varlen_attn is not None:
         return "varlen"
+    if _compiling():
+        # Nested tensors cannot cross a graph break, and SDPA on them breaks the graph to read the
+        # shortest length: the backward then fails in AOTAutograd ("expected len(meta.attrs) ==
+        # len(runtime_subclass_keys)"). The padded path traces to one graph.
+        return "padded"
+    if dropout and not flash:
+        # Only the memory-efficient kernel would be left, and on jagged inputs it draws one
+        # dropout mask for every head and sequence of a call (its RNG offset per (sequence, head)
+        # is computed from a key length of 0); the padded path draws each element independently.
+        return "padded"
     return "nested"
 
 
@@ -143,7 +163,14 @@ def _nested_attention(packed, cu_seqlens, max_s, dropout_p):
         return torch.nested.nested_tensor_from_jagged(rows.contiguous(), offsets, max_seqlen=max_s).transpose(1, 2)
 
     q, k, v = (jagged(rows) for rows in packed.unbind(1))
-    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    if dropout_p > 0.0:
+        # Flash draws an independent mask per (sequence, head); the memory-efficient kernel does
+        # not on jagged inputs (see plan), so it is never used with dropout: where flash is
+        # refused (e.g. a sequence of length 0), SDPA's math backend is.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v)
     return out.transpose(1, 2).values()
 
 

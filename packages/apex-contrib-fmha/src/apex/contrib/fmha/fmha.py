@@ -36,8 +36,10 @@ class FMHAFun:
     head_dim 64 and max_s up to 512 on sm80/sm90. Here any of the dtypes above, any head_dim, any
     ``max_s`` and any device: on CUDA, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention on
     the packed rows; sm80+, float16/bfloat16, head_dim a multiple of 8 up to 256, no active dropout,
-    torch 2.10+) or else ``scaled_dot_product_attention`` on jagged nested tensors (flash /
-    memory-efficient kernels, with dropout); elsewhere a padded batched reference in float32. This
+    torch 2.10+) or else ``scaled_dot_product_attention`` on jagged nested tensors (flash with
+    dropout, memory-efficient without); a padded batched reference in float32 elsewhere, for
+    dropout flash cannot take (torch's memory-efficient kernel reuses one dropout mask for all
+    heads and sequences of jagged inputs), and under ``torch.compile`` except the varlen case. This
     is not an ``autograd.Function`` subclass: ``apply`` composes torch ops, whose own backward
     kernels give the gradient and which ``torch.compile`` traces. Dropout draws from torch's
     generator of ``qkv``'s device, so ``torch.manual_seed`` reproduces it on a given path and
