@@ -342,7 +342,8 @@ def clip_worker(rank: int, world: int):
     for step in range(3):
         model(probe_grads(step, 0, rank)).backward()
         inf_norms.append(optimizer.grad_norm(norm_type=math.inf).item())
-        subset_norms.append(optimizer.grad_norm([model.ps[0], model.ps[2]], norm_type=1.0).item())
+        # ps[5] is empty: optimized, nothing to add
+        subset_norms.append(optimizer.grad_norm([model.ps[0], model.ps[2], model.ps[5]], norm_type=1.0).item())
         norms.append(optimizer.clip_grad_norm(CLIP_NORM).item())
         optimizer.step()
         optimizer.zero_grad()

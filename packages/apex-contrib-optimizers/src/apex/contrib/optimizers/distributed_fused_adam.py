@@ -524,7 +524,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if parameters is None:
             return [s.float() for s in self._grad_shards()]
         chosen = set()
+        empty = {id(e) for e in self._empty_params}
         for p in parameters:
+            if id(p) in empty:
+                continue  # optimized, but nothing to add to the norm
             if p not in self._param_range:
                 raise RuntimeError(
                     "DistributedFusedAdam.grad_norm: a tensor in parameters is not optimized by this "
