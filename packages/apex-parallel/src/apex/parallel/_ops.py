@@ -25,7 +25,10 @@ written: ``apex.core.library``.
   ``batch_norm_backward_relu_c_last(grad_output, input, z, mean, invstd, weight, bias, sum_dy,
   sum_dy_xmu, count, grad_z) -> (grad_input, grad_z)``: ``reduce_bn_c_last`` and
   ``batch_norm_backward_c_last`` of that masked gradient, masking on the fly; the masked gradient
-  (z's gradient) is also returned when ``masked`` / ``grad_z`` asks for it, else an empty tensor.
+  (z's gradient) is also returned when ``masked`` / ``grad_z`` asks for it, else an empty tensor;
+- ``batch_norm_train(input, z, weight, bias, mean, invstd, count, c_last, relu)``: the output of
+  ``batch_norm_forward[_c_last]`` (``c_last`` picks; z and relu need it) as one differentiable op,
+  whose backward is SyncBatchNorm's without collectives (its reductions and input-gradient ops).
 
 Every op accepts an empty batch: the statistics of no elements are 0 and the outputs are empty.
 """
@@ -48,8 +51,8 @@ _COUNT_DTYPES = (torch.float32, torch.float64)
 
 
 def _check_input(a) -> None:
-    """The input; sets ``a.channel_last`` (the op's name says the layout) and ``a.channels``."""
-    a.channel_last = a.op.endswith("_c_last")
+    """The input; sets ``a.channel_last`` (the op's name, or its ``c_last``, says the layout) and ``a.channels``."""
+    a.channel_last = a.op.endswith("_c_last") or getattr(a, "c_last", False)
     input = a.input
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{a.op}: input has dtype {input.dtype}; expected one of {_DTYPE_NAMES}")
@@ -397,3 +400,33 @@ def batch_norm_backward_relu_c_last(a):
     )
     grad_z = masked.contiguous() if a.grad_z else a.input.new_empty((0,))
     return grad_input.contiguous(), grad_z
+
+
+# batch_norm_train --------------------------------------------------------------------------------
+# The normalization of a training step without collectives, as one differentiable op: its autograd
+# formula (SyncBatchNorm's backward at world 1) is registered in Python in sync_batchnorm.py and in
+# C++ for AutogradCUDA (csrc/syncbn_autograd.cpp), which the dispatcher prefers for CUDA tensors: a
+# Python autograd.Function around the kernels costs tens of microseconds of host time per eager call,
+# and a ResNet-50 step runs 53 norms forward and backward.
+
+
+def _check_train(a) -> None:
+    """batch_norm_forward[_c_last]'s check in the layout ``c_last`` says, and the count."""
+    _check_forward_c_last(a)
+    if not a.c_last and (a.z is not None or a.relu):
+        raise ValueError(f"{a.op}: z and relu need c_last=True (the channels-last kernels fuse them)")
+    _check_count(a.op, a.count, a.input.device)
+
+
+@op(
+    KERNELS,
+    "batch_norm_train(Tensor input, Tensor? z, Tensor? weight, Tensor? bias, Tensor mean, Tensor invstd, "
+    "Tensor count, bool c_last, bool relu) -> Tensor",
+    check=_check_train,
+    fake=_like_input,
+    tags=CONTIGUOUS_INPUTS,
+)
+def batch_norm_train(a):
+    if a.c_last:
+        return batch_norm_forward_c_last(a.input, a.z, a.mean, a.invstd, a.weight, a.bias, a.relu)
+    return batch_norm_forward(a.input, a.mean, a.invstd, a.weight, a.bias)

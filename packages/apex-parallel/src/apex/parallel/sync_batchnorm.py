@@ -30,7 +30,8 @@ def _count_tensor(count: int, device: torch.device) -> torch.Tensor:
 # than reading dy, x and z in both kernels and writing it from the second
 # (batch_norm_backward_relu_c_last's z_grad=True). H200, 256x256x56x56 bf16: 699 against 835 us for
 # the two kernels (2026-12-05, benchmarks/NOTES.md). Both give the same values up to the kernels'
-# rounding; the tests set this False to compare them.
+# rounding; the tests set this False to compare them (SyncBatchNorm then takes SyncBatchNormFunction
+# at world 1 too: batch_norm_train's formula, in Python and in C++, always masks in the reduction).
 _MASKED_IN_REDUCE = True
 
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
@@ -79,7 +80,21 @@ def _all_reduce_sums(sum_dy, sum_dy_xmu, group, world):
 
 
 def sync_batch_norm_backward(
-    grad_output, input, z, weight, bias, mean, invstd, counts, group, world, c_last, relu, input_grad, z_grad
+    grad_output,
+    input,
+    z,
+    weight,
+    bias,
+    mean,
+    invstd,
+    counts,
+    group,
+    world,
+    c_last,
+    relu,
+    input_grad,
+    z_grad,
+    masked_in_reduce=None,
 ):
     """``(grad_input, grad_z, grad_weight, grad_bias)`` of :func:`sync_batch_norm_forward`'s output.
 
@@ -88,11 +103,12 @@ def sync_batch_norm_backward(
     need). With ``input_grad`` the two per-channel sums are all-reduced over ``group``: every rank of
     it must call this. A fused ReLU's derivative is taken inside the reduction and the input
     gradient's kernel (two passes over the tensors, not three); z's gradient comes from the first
-    (``_MASKED_IN_REDUCE``), which the second then reads instead of dy, x and z.
+    (``masked_in_reduce``, by default ``_MASKED_IN_REDUCE``), which the second then reads instead of
+    dy, x and z.
     """
     grad_output = grad_output.contiguous()
     if relu and input_grad:
-        masked_first = z_grad and _MASKED_IN_REDUCE
+        masked_first = z_grad and (_MASKED_IN_REDUCE if masked_in_reduce is None else masked_in_reduce)
         sum_dy, sum_dy_xmu, grad_weight, grad_bias, masked = _ops.reduce_bn_relu_c_last(
             grad_output, input, z, mean, invstd, weight, bias, masked_first
         )
@@ -158,6 +174,65 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = grad_weight if ctx.needs_input_grad[2] else None
             grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
         return grad_input, grad_z, grad_weight, grad_bias, *(None,) * 8
+
+
+# batch_norm_train's autograd: the backward above at world 1, on every device and under torch.compile.
+# The compiled library registers the same formula in C++ for AutogradCUDA (csrc/syncbn_autograd.cpp),
+# which the dispatcher prefers for CUDA tensors once loaded; both save the same tensors and call the
+# same ops with the masked gradient from the reduction (masked_in_reduce=True).
+
+
+def _train_setup_context(ctx, inputs, output):
+    input, z, weight, bias, mean, invstd, count, c_last, relu = inputs
+    ctx.save_for_backward(input, z, weight, bias, mean, invstd, count)
+    ctx.c_last, ctx.relu = c_last, relu
+
+
+def _train_backward(ctx, grad_output):
+    """One gradient per batch_norm_train input: input, z, weight, bias, then None for the rest."""
+    input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_input, grad_z, grad_weight, grad_bias = sync_batch_norm_backward(
+        grad_output,
+        input,
+        z,
+        weight,
+        bias,
+        mean,
+        invstd,
+        count,
+        None,
+        1,
+        ctx.c_last,
+        ctx.relu,
+        input_grad=needs[0],
+        z_grad=z is not None and needs[1],
+        masked_in_reduce=True,
+    )
+    if weight is None:
+        grad_weight = grad_bias = None
+    else:
+        grad_weight = grad_weight if needs[2] else None
+        grad_bias = grad_bias if bias is not None and needs[3] else None
+    return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None
+
+
+torch.library.register_autograd(_ops.batch_norm_train, _train_backward, setup_context=_train_setup_context)
+
+
+def batch_norm_train_local(input, z, weight, bias, running_mean, running_var, eps, momentum, c_last, relu):
+    """:func:`sync_batch_norm_forward`'s output at world 1 (the same ops in the same order), as
+    :class:`SyncBatchNormFunction` at world 1 differentiates it, through one differentiable op:
+    the statistics (and the running statistics' update) outside autograd, then
+    ``batch_norm_train``. The arguments are :func:`sync_batch_norm_forward`'s."""
+    data = input.detach()  # the statistics are constants to autograd: the op's backward covers them
+    mean, var = (_ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var)(data)
+    channels = input.shape[-1] if c_last else input.shape[1]
+    count = _count_tensor(input.numel() // channels if channels else 0, input.device)
+    mean, invstd = _ops.welford_parallel(
+        mean.unsqueeze(0), var.unsqueeze(0), count, eps, running_mean, running_var, momentum
+    )
+    return _ops.batch_norm_train(input, z, weight, bias, mean, invstd, count, c_last, relu)
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -285,6 +360,8 @@ class SyncBatchNorm(_BatchNorm):
         return torch.relu(out) if self.fuse_relu else out
 
     def _sync(self, input, z, weight, bias, running, factor, group, world, c_last, relu):
+        if world == 1 and _MASKED_IN_REDUCE:
+            return batch_norm_train_local(input, z, weight, bias, *running, self.eps, factor, c_last, relu)
         return SyncBatchNormFunction.apply(
             input, z, weight, bias, running[0], running[1], self.eps, factor, group, world, c_last, relu
         )
