@@ -57,9 +57,17 @@ OptionalTensor optional(const Tensor& t) { return t.defined() ? OptionalTensor(t
 Tensor batch_norm_train_cuda(const Tensor& input, const OptionalTensor& z, const OptionalTensor& weight,
                              const OptionalTensor& bias, const Tensor& mean, const Tensor& invstd,
                              const Tensor& count, bool c_last, bool relu) {
+  // The forward ops check the rest; the count is the backward's, checked here so that a bad one
+  // fails in the forward, as the Python check does.
   TORCH_CHECK_VALUE(c_last || !(defined(z) || relu),
                     "batch_norm_train: z and relu need c_last=True (the channels-last kernels fuse them)");
-  (void)count;  // the backward's
+  TORCH_CHECK_TYPE(count.scalar_type() == at::kFloat || count.scalar_type() == at::kDouble,
+                   "batch_norm_train: count has dtype ", count.scalar_type(),
+                   "; expected torch.float32 or torch.float64");
+  TORCH_CHECK_VALUE(count.dim() == 1, "batch_norm_train: count must be 1-D (one count per rank), got shape ",
+                    count.sizes());
+  TORCH_CHECK_VALUE(count.device() == input.device(), "batch_norm_train: count is on ", count.device(),
+                    ", expected ", input.device());
   if (c_last) {
     static const auto forward = op_handle<ForwardCLastSignature>("apex_parallel::batch_norm_forward_c_last");
     return forward.call(input, z, mean, invstd, weight, bias, relu);
