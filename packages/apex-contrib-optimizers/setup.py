@@ -11,5 +11,6 @@ _path = Path(__file__).parent / "src" / "apex" / "contrib" / "optimizers" / "_pl
 _spec = importlib.util.spec_from_file_location("_apex_contrib_optimizers_plugin", _path)
 _plugin = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_plugin)
+KERNELS = _plugin.KERNELS
 
-setup(**setup_kernel_package(_plugin.KERNELS))
+setup(**setup_kernel_package(KERNELS))
