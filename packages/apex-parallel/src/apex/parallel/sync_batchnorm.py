@@ -36,6 +36,7 @@ _MASKED_IN_REDUCE = True
 
 # all_gather_single supersedes all_gather_into_tensor where it exists (a flat output suits both).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_DIST_AVAILABLE = dist.is_available()  # once: SyncBatchNorm.forward's world-1 path is host-bound
 
 
 def sync_batch_norm_forward(
@@ -339,7 +340,7 @@ class SyncBatchNorm(_BatchNorm):
             return self._local(input, z, factor, bn_training)
 
         group, world = None, 1
-        if dist.is_available() and dist.is_initialized():
+        if _DIST_AVAILABLE and dist.is_initialized():
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             world = dist.get_world_size(group)
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
