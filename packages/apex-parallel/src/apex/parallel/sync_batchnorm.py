@@ -149,6 +149,34 @@ def sync_batch_norm_backward(
     return grad_input, grad_z, grad_weight, grad_bias
 
 
+def _backward_of_saved(ctx, grad_output, group, world, masked_in_reduce):
+    """:func:`sync_batch_norm_backward` on what a forward saved (input, z, weight, bias, mean, invstd,
+    count; ``ctx.c_last``, ``ctx.relu``), for the inputs that need a gradient: (input, z, weight,
+    bias) gradients, None where not needed."""
+    input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    grad_input, grad_z, grad_weight, grad_bias = sync_batch_norm_backward(
+        grad_output,
+        input,
+        z,
+        weight,
+        bias,
+        mean,
+        invstd,
+        count,
+        group,
+        world,
+        ctx.c_last,
+        ctx.relu,
+        input_grad=needs[0],
+        z_grad=z is not None and needs[1],
+        masked_in_reduce=masked_in_reduce,
+    )
+    if weight is None:
+        return grad_input, grad_z, None, None
+    return grad_input, grad_z, grad_weight if needs[2] else None, grad_bias if bias is not None and needs[3] else None
+
+
 class SyncBatchNormFunction(torch.autograd.Function):
     """Autograd of :func:`sync_batch_norm_forward` (``apply(input, z, weight, bias, running_mean,
     running_var, eps, momentum, group, world, c_last, relu) -> out``)."""
@@ -164,29 +192,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
-        grad_input, grad_z, grad_weight, grad_bias = sync_batch_norm_backward(
-            grad_output,
-            input,
-            z,
-            weight,
-            bias,
-            mean,
-            invstd,
-            count,
-            ctx.group,
-            ctx.world,
-            ctx.c_last,
-            ctx.relu,
-            input_grad=ctx.needs_input_grad[0],
-            z_grad=z is not None and ctx.needs_input_grad[1],
-        )
-        if weight is None:
-            grad_weight = grad_bias = None
-        else:
-            grad_weight = grad_weight if ctx.needs_input_grad[2] else None
-            grad_bias = grad_bias if bias is not None and ctx.needs_input_grad[3] else None
-        return grad_input, grad_z, grad_weight, grad_bias, *(None,) * 8
+        return *_backward_of_saved(ctx, grad_output, ctx.group, ctx.world, None), *(None,) * 8
 
 
 # batch_norm_train's autograd: the backward above at world 1, on every device and under torch.compile.
@@ -203,31 +209,7 @@ def _train_setup_context(ctx, inputs, output):
 
 def _train_backward(ctx, grad_output):
     """One gradient per batch_norm_train input: input, z, weight, bias, then None for the rest."""
-    input, z, weight, bias, mean, invstd, count = ctx.saved_tensors
-    needs = ctx.needs_input_grad
-    grad_input, grad_z, grad_weight, grad_bias = sync_batch_norm_backward(
-        grad_output,
-        input,
-        z,
-        weight,
-        bias,
-        mean,
-        invstd,
-        count,
-        None,
-        1,
-        ctx.c_last,
-        ctx.relu,
-        input_grad=needs[0],
-        z_grad=z is not None and needs[1],
-        masked_in_reduce=True,
-    )
-    if weight is None:
-        grad_weight = grad_bias = None
-    else:
-        grad_weight = grad_weight if needs[2] else None
-        grad_bias = grad_bias if bias is not None and needs[3] else None
-    return grad_input, grad_z, grad_weight, grad_bias, None, None, None, None, None
+    return *_backward_of_saved(ctx, grad_output, None, 1, True), *(None,) * 5
 
 
 torch.library.register_autograd(_ops.batch_norm_train, _train_backward, setup_context=_train_setup_context)
