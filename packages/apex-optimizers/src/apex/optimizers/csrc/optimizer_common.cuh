@@ -26,19 +26,7 @@
 
 namespace apex_optimizers {
 
-// Elements per thread per array loaded before the first use: 16-byte accesses (Width elements
-// each) of every array the optimizer reads, all in flight together (16 independent 16-byte
-// loads per thread for fp32 Adam). Measured on an H200 (fused_adam, 354M fp32 parameters,
-// chunk_size 65536): 16 elements reach 95% of the device copy bandwidth with one 512-thread
-// block per multiprocessor (100-128 registers, no spills); 8 elements (two blocks per
-// multiprocessor) were 1% slower in fp32 and 6% slower for bf16 params with fp32 masters, 4
-// elements slower still.
-constexpr int kElementsInFlight = 16;
-
-template <int Width>
-constexpr int accesses_in_flight() {
-  return kElementsInFlight / Width > 0 ? kElementsInFlight / Width : 1;
-}
+using apex::accesses_in_flight;
 
 struct NamedList {
   const char* name;

@@ -16,17 +16,11 @@
 #include <cuda_fp16.h>
 
 #include <apex/checks.h>
+#include <apex/vectorized.cuh>
 
 namespace apex_contrib_optimizers {
 
-// Elements per thread loaded before the first use (16-byte accesses of every array in flight
-// together), as apex-optimizers' fused kernels: 16 reached 95% of the copy bandwidth there.
-constexpr int kElementsInFlight = 16;
-
-template <int Width>
-constexpr int accesses_in_flight() {
-  return kElementsInFlight / Width > 0 ? kElementsInFlight / Width : 1;
-}
+using apex::accesses_in_flight;
 
 // One role's tensor list and the dtypes it may have.
 struct ShardList {

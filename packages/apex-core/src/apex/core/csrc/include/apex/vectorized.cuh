@@ -46,6 +46,21 @@ constexpr int vector_width() {
   return static_cast<int>(16 / narrowest);
 }
 
+// Elements per thread per array loaded before the first use, for element-wise kernels that stream
+// several arrays (the fused optimizers): 16-byte accesses of every array in flight together (16
+// independent 16-byte loads per thread for fp32 Adam). Measured on an H200 (apex-optimizers'
+// fused_adam, 354M fp32 parameters, chunk_size 65536): 16 elements reach 95% of the device copy
+// bandwidth with one 512-thread block per multiprocessor (100-128 registers, no spills); 8
+// elements (two blocks per multiprocessor) were 1% slower in fp32 and 6% slower for bf16 params
+// with fp32 masters, 4 elements slower still.
+constexpr int kElementsInFlight = 16;
+
+// Accesses of Width elements per array in flight: kElementsInFlight's worth, at least one.
+template <int Width>
+constexpr int accesses_in_flight() {
+  return kElementsInFlight / Width > 0 ? kElementsInFlight / Width : 1;
+}
+
 // The element offset of p past the previous Width-element (vector) boundary, or -1 when p is
 // not even aligned to its own element size.
 template <int Width, typename T>
