@@ -315,8 +315,10 @@ def test_remainder_kernel_matches_the_reference(mode):
         want = ops.bf16_and_remainder_to_fp32(lists["params_out"][i], lists["param_remainders"][i])
         got = ops.bf16_and_remainder_to_fp32(cuda["params_out"][i], cuda["param_remainders"][i]).cpu()
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        # atol as for the masters: exp_avg = beta1 m + (1 - beta1) g cancels where m and g differ in
+        # sign, and one fp32 ulp of the terms (~1e-8 here) is then many ulp of the result (H100: 1.8e-8).
         for name in ("exp_avgs", "exp_avg_sqs"):
-            torch.testing.assert_close(cuda[name][i].cpu(), lists[name][i], rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(cuda[name][i].cpu(), lists[name][i], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.gpu

@@ -284,7 +284,9 @@ def test_many_tensors_over_several_launches():
     for i, (m, v, u) in enumerate(expected):
         close(lists["m"][i], m)
         close(lists["v"][i], v)
-        close(lists["u"][i], u)
+        # u = adam term + decay * p (moment_mode 1) cancels where the two nearly meet: the fp32 error
+        # is an ulp of the terms (up to ~10 here), not of u. One of ~1M elements was 1.3e-6 off on an H100.
+        close(lists["u"][i], u, atol=1e-5)
     wlists, whyper = update_weights_inputs("cuda", F32, BF16, OFFSETS["aligned"], sizes=sizes)
     expected = update_weights_float64(wlists, whyper, False)
     OPS.lamb_update_weights(device_flag("cuda"), **wlists, **whyper, use_nvlamb=False)

@@ -9,8 +9,7 @@ the calls; the median of ``--rounds`` rounds. Rows, each a norm with fused ReLU 
 and the ``channel_last`` flag: with and without z) or norm then ReLU (NCHW):
 
 - ``op``: SyncBatchNorm's world-1 path through ``batch_norm_train`` (on CUDA with the library
-  loaded, the C++ autograd of csrc/syncbn_autograd.cpp; this script turns on ``sync_batchnorm._ONE_OP``,
-  which is opt-in, APEX_SYNCBN_ONE_OP=1, until measured);
+  loaded, the C++ autograd of csrc/syncbn_autograd.cpp; SyncBatchNorm's default at world 1);
 - ``function``: the same module through ``SyncBatchNormFunction`` (the path before batch_norm_train);
 - ``torch``: ``nn.BatchNorm2d`` (+ z) + ``torch.relu`` on the same input.
 
@@ -27,7 +26,7 @@ import time
 import torch
 from torch import nn
 
-from apex.parallel import SyncBatchNorm, sync_batchnorm
+from apex.parallel import SyncBatchNorm
 from apex.parallel.sync_batchnorm import SyncBatchNormFunction
 
 
@@ -82,7 +81,6 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script, not a measurement")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
-    sync_batchnorm._ONE_OP = True  # SyncBatchNorm rows: the batch_norm_train path (opt-in elsewhere)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     n, c, h, w = 2, 64, 4, 4

@@ -5,9 +5,6 @@ opcheck, torch.compile, and on CUDA the C++ autograd (csrc/syncbn_autograd.cpp).
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -38,33 +35,17 @@ def to_layout(t, layout):
     return t
 
 
-@pytest.fixture(autouse=True)
-def _one_op(monkeypatch):
-    """The path is opt-in until it has run on a GPU (sync_batchnorm._ONE_OP): on in this module."""
-    monkeypatch.setattr(sync_batchnorm, "_ONE_OP", True)
+LAYOUTS = ["nchw", "channels_last_memory", "channel_last"]
 
 
-def test_off_by_default_and_the_switch_is_checked():
-    """Without APEX_SYNCBN_ONE_OP=1 at import SyncBatchNorm keeps SyncBatchNormFunction; another
-    value of the variable is an error at import."""
-    env = {k: v for k, v in os.environ.items() if k != "APEX_SYNCBN_ONE_OP"}
-    probe = (
-        "import torch; from apex.parallel import SyncBatchNorm, sync_batchnorm; "
-        "out = SyncBatchNorm(3, channel_last=True)(torch.randn(4, 3, requires_grad=True)); "
-        "print(sync_batchnorm._ONE_OP, out.grad_fn.name())"
-    )
-    for value, expected in ((None, "False SyncBatchNormFunctionBackward"), ("1", "True")):
-        run_env = dict(env) if value is None else {**env, "APEX_SYNCBN_ONE_OP": value}
-        done = subprocess.run([sys.executable, "-c", probe], env=run_env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.strip().startswith(expected), done.stdout
-    done = subprocess.run(
-        [sys.executable, "-c", "import apex.parallel.sync_batchnorm"],
-        env={**env, "APEX_SYNCBN_ONE_OP": "yes"},
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0 and 'APEX_SYNCBN_ONE_OP must be "0" or "1", got "yes"' in done.stderr
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_at_world_1_takes_the_op(layout):
+    """SyncBatchNorm's default at world 1 is batch_norm_train (one autograd node), in every layout."""
+    x = to_layout(torch.randn(4, 3, 2, 2), layout).requires_grad_()
+    node = SyncBatchNorm(3, channel_last=layout == "channel_last")(x).grad_fn
+    while node.name() in ("ViewBackward0", "UnflattenBackward0", "TransposeBackward0"):  # channels_last's view
+        node = node.next_functions[0][0]
+    assert node.name() == PYTHON_NODE, node.name()
 
 
 def modules(channels, layout, device, dtype, affine, track, relu, momentum=0.1):
@@ -149,7 +130,6 @@ def assert_same(new, old):
         assert torch.equal(a, b), f"{key}: differs by {(a.double() - b.double()).abs().max().item()}"
 
 
-LAYOUTS = ["nchw", "channels_last_memory", "channel_last"]
 NEEDS = {
     "all": dict(input=True, z=True, weight=True),
     "input-only": dict(input=True, z=False, weight=False),
