@@ -38,9 +38,15 @@ def to_layout(t, layout):
 LAYOUTS = ["nchw", "channels_last_memory", "channel_last"]
 
 
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """Off CUDA one process trains through torch's batch norm by default: here through the ops."""
+    monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", False)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_at_world_1_takes_the_op(layout):
-    """SyncBatchNorm's default at world 1 is batch_norm_train (one autograd node), in every layout."""
+    """SyncBatchNorm's path at world 1 is batch_norm_train (one autograd node), in every layout."""
     x = to_layout(torch.randn(4, 3, 2, 2), layout).requires_grad_()
     node = SyncBatchNorm(3, channel_last=layout == "channel_last")(x).grad_fn
     while node.name() in ("ViewBackward0", "UnflattenBackward0", "TransposeBackward0"):  # channels_last's view

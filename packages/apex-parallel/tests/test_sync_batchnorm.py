@@ -345,6 +345,24 @@ def test_two_gpus_nccl():
 # One process -----------------------------------------------------------------------------------
 
 
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """One process off CUDA trains through torch's batch norm by default (sync_batchnorm._TORCH_OFF_CUDA);
+    the tests of this file run the ops' references there, as the CUDA kernels and several ranks do.
+    The tests taking ``cpu_path`` also run the default."""
+    monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", False)
+
+
+CPU_PATHS = pytest.mark.parametrize("cpu_path", ["ops", "torch"])
+
+
+def use_cpu_path(cpu_path, device, monkeypatch):
+    if cpu_path == "torch":
+        if device != "cpu":
+            pytest.skip("torch's batch norm is the default off CUDA only")
+        monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", True)
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -356,8 +374,10 @@ def test_two_gpus_nccl():
     ],
     ids=lambda c: c["name"],
 )
-def test_single_process_matches_torch(device, case):
+@CPU_PATHS
+def test_single_process_matches_torch(device, case, cpu_path, monkeypatch):
     """Without a process group: the local batch, as torch batch norm."""
+    use_cpu_path(cpu_path, device, monkeypatch)
     case = dict(case, seed=1, batches=[5])
     module = make_module(case, device, torch.float32)
     got = run_module(module, case, slice(0, 5), device, torch.float32)
@@ -365,11 +385,63 @@ def test_single_process_matches_torch(device, case):
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last_memory", "channel_last"])
-def test_single_process_float64(device, layout):
+@CPU_PATHS
+def test_single_process_float64(device, layout, cpu_path, monkeypatch):
+    use_cpu_path(cpu_path, device, monkeypatch)
     case = dict(name=f"f64-{layout}", shape=(4, 3, 5), layout=layout, seed=5, batches=[6], relu=True)
     module = make_module(case, device, torch.float64)
     got = run_module(module, case, slice(0, 6), device, torch.float64)
     check_ranks(case, [got], torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last_memory", "channel_last"])
+def test_one_process_off_cuda_is_torchs_batch_norm(layout, dtype, monkeypatch):
+    """The default off CUDA: F.batch_norm (16-bit input with float32 parameters too), then z and the
+    ReLU; its autograd is torch's; results as nn.BatchNorm2d + z + ReLU over the same input."""
+    monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", True)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(6, 5, 4, 3, generator=g) * 2 + 1).to(dtype)
+    z = torch.randn(6, 5, 4, 3, generator=g).to(dtype)
+    dy = torch.randn(6, 5, 4, 3, generator=g).to(dtype)
+    ours = SyncBatchNorm(5, fuse_relu=True, channel_last=layout == "channel_last")
+    with torch.no_grad():
+        ours.weight.copy_(torch.rand(5, generator=g) + 0.5)
+        ours.bias.copy_(torch.randn(5, generator=g))
+    theirs = torch.nn.BatchNorm2d(5)
+    theirs.load_state_dict(ours.state_dict())
+
+    def as_layout(t):
+        if layout == "channels_last_memory":
+            return t.contiguous(memory_format=torch.channels_last)
+        return t.movedim(1, -1).contiguous() if layout == "channel_last" else t
+
+    xs, zs = (as_layout(t).requires_grad_() for t in (x, z))
+    out = ours(xs, zs)
+    out.backward(as_layout(dy))
+    xt, zt = (t.detach().clone().requires_grad_() for t in (x, z))
+    want = torch.relu(theirs(xt) + zt)
+    want.backward(dy)
+    got = out.movedim(-1, 1) if layout == "channel_last" else out
+    assert _reaches_native(out.grad_fn), out.grad_fn
+    # torch's kernels for another memory layout sum in another order: equal up to rounding
+    close(got, want, dtype, "output")
+    for what, a, b in (("input grad", xs.grad, xt.grad), ("z grad", zs.grad, zt.grad)):
+        close(a.movedim(-1, 1) if layout == "channel_last" else a, b, dtype, what)
+    for name in ("weight", "bias"):
+        close(getattr(ours, name).grad, getattr(theirs, name).grad, dtype, name + " grad")
+    for name in ("running_mean", "running_var"):
+        close(getattr(ours, name), getattr(theirs, name), torch.float32, name)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 1
+
+
+def _reaches_native(node, depth=6):
+    """Whether torch's batch norm backward is among the first nodes of the graph behind ``node``."""
+    if node is None or depth == 0:
+        return False
+    if "NativeBatchNorm" in node.name():
+        return True
+    return any(_reaches_native(n, depth - 1) for n, _ in node.next_functions)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -237,8 +237,11 @@ void launch(const at::Tensor& dy, const at::Tensor& x, const W* weight, const W*
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-at::Tensor param_grad(const at::Tensor& x, const std::optional<at::Tensor>& param) {
-  return param.has_value() ? at::zeros_like(*param) : at::empty({0}, x.options().dtype(at::kFloat));
+// A parameter's gradient: zeros when no kernel runs (an empty batch or empty groups), else uninitialized
+// (reduce_grad_sums writes every channel; zeros would cost a fill kernel each, host time per call).
+at::Tensor param_grad(const at::Tensor& x, const std::optional<at::Tensor>& param, bool kernels_run) {
+  if (!param.has_value()) return at::empty({0}, x.options().dtype(at::kFloat));
+  return kernels_run ? at::empty_like(*param) : at::zeros_like(*param);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
@@ -265,10 +268,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
   const c10::cuda::CUDAGuard device_guard(x.device());
   const Shape s = shape_of(x, num_groups);
   at::Tensor dx = at::empty_like(x);
-  // zeros: an empty batch or empty groups have zero parameter gradients (the kernels overwrite them)
-  at::Tensor dweight = param_grad(x, weight);
-  at::Tensor dbias = param_grad(x, bias);
-  if (s.n == 0 || s.hw == 0) return {dx, dweight, dbias};
+  const bool kernels_run = s.n != 0 && s.hw != 0;
+  at::Tensor dweight = param_grad(x, weight, kernels_run);
+  at::Tensor dbias = param_grad(x, bias, kernels_run);
+  if (!kernels_run) return {dx, dweight, dbias};
   const bool silu = is_silu(act_view);
   const auto param_dtype = weight.has_value() ? weight->scalar_type()
                                               : (bias.has_value() ? bias->scalar_type() : c10::ScalarType::Float);
