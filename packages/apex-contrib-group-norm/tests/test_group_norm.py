@@ -22,6 +22,7 @@ from apex.contrib.group_norm import (
     group_norm_nhwc_fprop,
     torch_group_norm,
 )
+from apex.contrib.group_norm import group_norm as group_norm_module
 from apex.contrib.group_norm._plugin import KERNELS
 from apex.core import loader
 
@@ -76,6 +77,39 @@ def assert_close(actual, expected, dtype, scale=1.0):
 def poison_allocator(like):
     """Leave NaNs in a freed block like ``like``, so unwritten output elements show up."""
     torch.full_like(like, float("nan"))
+
+
+@pytest.fixture(autouse=True)
+def _op_off_cuda(monkeypatch):
+    """Off CUDA the module takes torch's group norm by default; these tests run the op's reference there
+    (test_off_cuda_the_module_is_torchs checks the default)."""
+    monkeypatch.setattr(group_norm_module, "_TORCH_OFF_CUDA", False)
+
+
+def test_off_cuda_the_module_is_torchs(monkeypatch):
+    monkeypatch.setattr(group_norm_module, "_TORCH_OFF_CUDA", True)
+    for dtype, param_dtype in ((torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.float32)):
+        module = make_module(24, 6, "silu", dtype, "cpu", param_dtype=param_dtype)
+        x = random_input((2, 24, 5, 7), dtype, "cpu").requires_grad_()
+        y = module(x)
+        assert _reaches(y.grad_fn, "NativeGroupNorm"), y.grad_fn
+        assert y.dtype == dtype
+        want = torch_group_norm(x, 6, module.weight, module.bias, module.eps, "silu")
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        expected = reference(x, 6, module.weight, module.bias, module.eps, True)
+        assert_close(y, expected, dtype)
+        dy = random_input(x.shape, dtype, "cpu")
+        grads = torch.autograd.grad(y, (x, module.weight, module.bias), dy)
+        expected_grads = torch.autograd.grad(expected, (x, module.weight, module.bias), dy.double())
+        assert_close(grads[0], expected_grads[0], dtype, scale=4.0)
+        for got, want in zip(grads[1:], expected_grads[1:]):
+            assert_close(got, want, dtype, scale=4.0 * 70**0.5)
+
+
+def _reaches(node, name, depth=6):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
 
 
 def make_module(channels, groups, act, dtype, device, param_dtype=None):
