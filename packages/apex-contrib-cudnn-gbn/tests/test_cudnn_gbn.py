@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from apex.contrib.cudnn_gbn import GroupBatchNorm2d
 from apex.contrib.cudnn_gbn import batch_norm as batch_norm_module
+from apex.parallel import sync_batchnorm
 
 from ._reference import close, reference_step
 
@@ -163,7 +164,9 @@ def test_bad_group_size():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_legacy_module_matches_the_class(device, dtype):
+def test_legacy_module_matches_the_class(device, dtype, monkeypatch):
+    # the class through the ops, as the legacy functions (off CUDA it takes torch's batch norm by default)
+    monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", False)
     x, dy, weight, bias = make((3, 10, 4, 3), dtype, device)
     m = module_with(weight, bias, device)
     xr = x.clone().requires_grad_()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from apex.contrib.groupbn import BatchNorm2d_NHWC
+from apex.parallel import sync_batchnorm
 
 from ._reference import batch_norm_nhwc, close, reference_step
 
@@ -33,7 +34,9 @@ def state(c, device):
 
 @pytest.mark.parametrize("fuse_relu", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_bn_fwd_and_bwd_match_float64_and_the_module(device, dtype, fuse_relu):
+def test_bn_fwd_and_bwd_match_float64_and_the_module(device, dtype, fuse_relu, monkeypatch):
+    # the module through the ops, as the legacy functions (off CUDA it takes torch's batch norm by default)
+    monkeypatch.setattr(sync_batchnorm, "_TORCH_OFF_CUDA", False)
     shape = (3, 4, 5, 13)
     x, _, dy, weight, bias = data(shape, dtype, device)
     rm, riv, mini_m, mini_riv, ret_cta = state(13, device)

@@ -42,7 +42,8 @@ _MASKED_IN_REDUCE = True
 # kernels and calls are those of the channels-last rows). ResNet-50 eager end to end: a tie (46.01
 # against 46.09 ms, GPU-bound at batch 256).
 
-# One process off CUDA trains through torch's own batch norm (F.batch_norm, then z and the ReLU): the
+# One process off CUDA trains through torch's own batch norm (F.batch_norm, then z and the ReLU; see
+# _torch_takes for the one exception): the
 # ops' references there are Python, made to check the kernels, not to be fast. 16x64x56x56 channels-last
 # with ReLU, forward + backward on 2 CPU cores: 51 ms through the references, 3.4-9.7 ms through
 # torch's (bf16 / fp32). The tests set this False to run the ops' path on the CPU.
@@ -327,7 +328,7 @@ class SyncBatchNorm(_BatchNorm):
         if _DIST_AVAILABLE and dist.is_initialized():
             group = self.process_group if self.process_group is not None else dist.group.WORLD
             world = dist.get_world_size(group)
-        if world == 1 and _TORCH_OFF_CUDA and not input.is_cuda:
+        if world == 1 and _torch_takes(input, z):
             return self._local(input, z, factor, True)
         running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
         weight, bias = self.weight, self.bias
@@ -352,6 +353,15 @@ class SyncBatchNorm(_BatchNorm):
         return SyncBatchNormFunction.apply(
             input, z, weight, bias, running[0], running[1], self.eps, factor, group, world, c_last, relu
         )
+
+
+def _torch_takes(input: torch.Tensor, z: torch.Tensor | None) -> bool:
+    """Whether one process's training step goes to torch's batch norm (``_TORCH_OFF_CUDA``): off CUDA,
+    unless a 16-bit input has a residual z. There torch's output would be rounded before z is added,
+    and the sum rounded again, which can flip the ReLU's mask against the kernels' single rounding."""
+    if input.is_cuda or not _TORCH_OFF_CUDA:
+        return False
+    return z is None or input.dtype not in (torch.float16, torch.bfloat16)
 
 
 def _torch_batch_norm(input, z, weight, bias, running, training, momentum, eps, c_last, relu):

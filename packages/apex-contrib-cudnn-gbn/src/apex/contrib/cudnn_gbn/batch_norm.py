@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from apex.parallel.group_sync import GroupBatchNormFunction, consecutive_group
+from apex.parallel import group_sync
+from apex.parallel.group_sync import consecutive_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _NAME = "GroupBatchNorm2d"
@@ -107,7 +108,7 @@ class GroupBatchNorm2d(_BatchNorm):
             return F.batch_norm(
                 input, self.running_mean, self.running_var, self.weight, self.bias, use_batch, 0.0, self.eps
             )
-        y, mean, invstd = GroupBatchNormFunction.apply(
+        y, mean, invstd = group_sync.train(
             input.permute(0, 2, 3, 1).contiguous(),
             None,
             self.weight,

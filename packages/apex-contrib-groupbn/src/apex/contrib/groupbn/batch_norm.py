@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from apex.parallel.group_sync import GroupBatchNormFunction, consecutive_group
+from apex.parallel import group_sync
+from apex.parallel.group_sync import consecutive_group
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _NAME = "BatchNorm2d_NHWC"
@@ -137,7 +138,7 @@ class BatchNorm2d_NHWC(_BatchNorm):
         if not self.training:
             return self._eval(x, z)
         zc = None if z is None else z.contiguous()
-        y, mean, invstd = GroupBatchNormFunction.apply(
+        y, mean, invstd = group_sync.train(
             x.contiguous(),
             zc,
             self.weight,
