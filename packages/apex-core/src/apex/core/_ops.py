@@ -42,12 +42,14 @@ def _raise_flag(noop_flag: torch.Tensor, bad: torch.Tensor | None) -> None:
         noop_flag.masked_fill_(bad.reshape(noop_flag.shape), 1)
 
 
-def _any_nonfinite(tensors_f32) -> torch.Tensor | None:
-    bad = None
-    for t in tensors_f32:
-        t_bad = ~torch.isfinite(t).all()
-        bad = t_bad if bad is None else bad | t_bad
-    return bad
+def _any_nonfinite(tensors) -> torch.Tensor | None:
+    """A bool tensor: whether any element of ``tensors`` is inf or NaN (None for no elements). Their
+    max-abs norms, one fused pass a tensor (an inf or NaN element makes it inf or NaN; a 16-bit value
+    is as finite as its float32)."""
+    nonempty = [t for t in tensors if t.numel()]  # an empty tensor has no max-abs norm
+    if not nonempty:
+        return None
+    return ~torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(nonempty, math.inf)])).all()
 
 
 def _check_scale(a) -> None:
@@ -68,10 +70,15 @@ def multi_tensor_scale(a):
     if not a.inputs:
         return
     factor = a.scale if a.scale_tensor is None else a.scale_tensor.reshape(()) * a.scale
-    upcast = [x.float() for x in a.inputs]
-    bad = _any_nonfinite(upcast)
-    for xf, out in zip(upcast, a.outputs):
-        out.copy_((xf * factor).reshape(out.shape))
+    bad = _any_nonfinite(a.inputs)
+    for x, out in zip(a.inputs, a.outputs):  # float32 math, one rounding into out (one pass where it can)
+        x = x.reshape(out.shape)
+        if x.dtype == torch.float32 and out.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            torch.mul(x, factor, out=out)
+        elif out.dtype == torch.float32:
+            out.copy_(x).mul_(factor)
+        else:
+            out.copy_(x.float().mul_(factor))
     _raise_flag(a.noop_flag, bad)
 
 
