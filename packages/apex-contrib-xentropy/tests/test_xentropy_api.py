@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import apex.core
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
+from apex.contrib.xentropy import softmax_xentropy as softmax_xentropy_module
 from apex.contrib.xentropy._plugin import PLUGIN
 from apex.core.testing import load_example
 
@@ -42,6 +43,59 @@ def assert_close(actual, reference, dtype):
     eps = torch.finfo(dtype).eps
     scale = reference.abs().max().item() if reference.numel() else 1.0
     torch.testing.assert_close(actual.detach().cpu().double(), reference, rtol=2 * eps + 2e-5, atol=2e-5 * scale)
+
+
+@pytest.fixture(autouse=True)
+def _op_off_cuda(monkeypatch):
+    """Off CUDA the loss is torch's F.cross_entropy by default; these tests run the op's reference there
+    (test_off_cuda_the_loss_is_torchs checks the default)."""
+    monkeypatch.setattr(softmax_xentropy_module, "_TORCH_OFF_CUDA", False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("padding_idx", [0, None, -100])
+def test_off_cuda_the_loss_is_torchs(monkeypatch, dtype, padding_idx):
+    monkeypatch.setattr(softmax_xentropy_module, "_TORCH_OFF_CUDA", True)
+    # rows 0, 3, 6, 9 of class 0: padding for padding_idx 0, ordinary rows for None; -100 pads them (a
+    # label outside [0, vocab) that is padding)
+    logits, labels = random_case(10, 3001, dtype, "cpu", padding_idx=0 if padding_idx is None else padding_idx)
+    for half_to_float in (False, True):
+        leaf = logits.clone().requires_grad_()
+        losses = SoftmaxCrossEntropyLoss.apply(leaf, labels, 0.1, padding_idx, half_to_float)
+        assert _reaches(losses.grad_fn, "NllLoss") and not _reaches(losses.grad_fn, "SoftmaxCrossEntropy")
+        assert losses.dtype == (torch.float32 if half_to_float else dtype) and losses.shape == (10,)
+        ignore = -100 if padding_idx is None else padding_idx
+        want = F.cross_entropy(logits.float(), labels, label_smoothing=0.1, ignore_index=ignore, reduction="none")
+        torch.testing.assert_close(losses, want.to(losses.dtype), rtol=0, atol=0)
+        grad_losses = torch.randn(10).to(losses.dtype)
+        losses.backward(grad_losses)
+        assert leaf.grad.dtype == dtype
+        ref_losses, ref_grad = float64_reference(logits, labels, 0.1, ignore, grad_losses)
+        assert_close(losses, ref_losses, losses.dtype)
+        assert_close(leaf.grad, ref_grad, dtype)
+        assert torch.all(losses.detach()[::3] == 0) == (padding_idx is not None)
+    # non-contiguous logits, as the op's path takes them
+    leaf = logits.t().contiguous().requires_grad_()
+    losses = SoftmaxCrossEntropyLoss.apply(leaf.t(), labels, 0.1, padding_idx, True)
+    torch.testing.assert_close(losses, SoftmaxCrossEntropyLoss.apply(logits, labels, 0.1, padding_idx, True))
+    # the op's checks and errors
+    labels[3] = 3001
+    with pytest.raises(ValueError, match=r"^softmax_cross_entropy_forward: labels\[3\] = 3001 is out of range"):
+        SoftmaxCrossEntropyLoss.apply(logits, labels, 0.1, padding_idx)
+    with pytest.raises(TypeError, match=r"^softmax_cross_entropy_forward: logits has dtype torch.float64"):
+        SoftmaxCrossEntropyLoss.apply(logits.double(), labels, 0.1, padding_idx)
+    with pytest.raises(ValueError, match=r"^softmax_cross_entropy_forward: smoothing must be in \[0, 1\]"):
+        SoftmaxCrossEntropyLoss.apply(logits, labels.clamp(max=3000), 1.5, padding_idx)
+    # inplace_backward keeps the op (torch's loss cannot write its gradient over the logits)
+    head = logits.clone().requires_grad_() * 1
+    losses = SoftmaxCrossEntropyLoss.apply(head, labels.clamp(max=3000), 0.1, padding_idx, True, True)
+    assert _reaches(losses.grad_fn, "SoftmaxCrossEntropy")
+
+
+def _reaches(node, name, depth=6):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
+import torch.nn.functional as F
 
 from apex.contrib.xentropy import _ops
 
 _NAME = "SoftmaxCrossEntropyLoss"
+
+# Off CUDA (unless inplace_backward) the loss is torch's: F.cross_entropy of the float32 logits. The op's
+# reference is Python written to check the kernels; its op calls and autograd Function cost host time that
+# torch's C++ does not: 64x1000 forward + backward on 1 CPU thread 0.41 ms through the op (after its faster
+# reference), 0.24 now, F.cross_entropy 0.21 (benchmarks/NOTES.md). At 1024x32000 float32 the op's
+# reference is the faster (252 ms, torch 350): see the notes. The tests set this False to run the op.
+_TORCH_OFF_CUDA = True
 
 
 class SoftmaxCrossEntropyLoss:
@@ -47,6 +57,11 @@ class SoftmaxCrossEntropyLoss:
             that requires grad (its ``.grad`` would share its storage): pass the output of the LM
             head. Non-contiguous logits are copied first, so the copy is overwritten, not them.
 
+    Off CUDA, unless ``inplace_backward``, this is ``F.cross_entropy`` of ``logits.float()`` (with
+    ``ignore_index=padding_idx``), after the op's checks: the same math, several times faster on the CPU
+    than the op's PyTorch reference. Only there a padding row's logits are read: non-finite ones give
+    that row a NaN gradient (its loss stays 0).
+
     Labels outside ``[0, vocab)`` that are not ``padding_idx``: the CPU path (and any path
     through the PyTorch reference) raises ValueError naming the first; the CUDA kernels never read
     out of bounds but cannot raise without synchronizing, so that row's loss (and gradient) is
@@ -72,7 +87,25 @@ class SoftmaxCrossEntropyLoss:
                 f"{_NAME}: inplace_backward writes the gradient into logits, which is a leaf that "
                 "requires grad (its .grad would share its storage); pass a non-leaf (the LM head's output)"
             )
+        if _TORCH_OFF_CUDA and not inplace_backward and not logits.is_cuda:
+            return _torch_losses(logits.contiguous(), labels.contiguous(), float(smoothing), padding_idx, half_to_float)
         losses, _ = _ops.softmax_cross_entropy(
             logits.contiguous(), labels.contiguous(), float(smoothing), padding_idx, half_to_float, inplace_backward
         )
         return losses
+
+
+def _torch_losses(logits, labels, smoothing, padding_idx, half_to_float):
+    """The losses through ``F.cross_entropy``, after the forward op's checks (the same errors)."""
+    op = "softmax_cross_entropy_forward"
+    _ops._check_forward(SimpleNamespace(op=op, logits=logits, labels=labels, smoothing=smoothing))
+    vocab = logits.shape[1]
+    bounds = labels.aminmax() if labels.numel() else None  # all in [0, vocab): one pass, no more to check
+    if bounds is not None and (int(bounds.min) < 0 or int(bounds.max) >= vocab):
+        _ops._safe_labels(op, labels, vocab, padding_idx, _ops.padding_rows(labels, padding_idx))
+    # With every label checked in [0, vocab), -100 ignores no row when padding_idx is None.
+    ignore_index = -100 if padding_idx is None else padding_idx
+    losses = F.cross_entropy(
+        logits.float(), labels, label_smoothing=smoothing, ignore_index=ignore_index, reduction="none"
+    )
+    return losses.to(torch.float32 if half_to_float else logits.dtype)
