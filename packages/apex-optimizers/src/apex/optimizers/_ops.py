@@ -84,30 +84,75 @@ def _skip(a):
     return None if a.found_inf is None else a.found_inf.reshape(()) != 0
 
 
-def _tensors(a):
-    """Per parameter: its index, its fp32 value (the master copy's, if any), its unscaled fp32
-    gradient (not negated for ``maximize``: each op does that)."""
-    for i, param in enumerate(a.params):
-        p = (a.master_params[i] if a.master_params else param).float()
-        g = a.grads[i].float()
+# The references work on whole tensor lists with torch's foreach ops (a pass per op over every
+# tensor, in place where it can: the fp32 state and the fp32 values are updated where they live when
+# no step can be skipped). Host numbers and one-element tensors (lr_tensor, step_tensor) both go
+# through the same calls.
+
+
+class _Work:
+    """An op's fp32 working lists: ``p`` each parameter's value (its master copy, if any), ``g`` its
+    unscaled gradient shaped as ``p`` (not negated for ``maximize``: each op does that), and the
+    state lists named ``states`` (attributes of the same names). With ``found_inf`` (``skip``) the
+    values and states are copies, committed by :meth:`finish` unless the step is skipped; otherwise
+    fp32 ones are the tensors themselves. ``g`` may be the gradients themselves: never written in place."""
+
+    def __init__(self, a, *states: str):
+        self.a = a
+        self.skip = _skip(a)
+        self.targets = list(a.master_params) if a.master_params else list(a.params)
+        self.p = [t.float() for t in self.targets]
+        if self.skip is not None:
+            self.p = [x.clone() if x is t else x for x, t in zip(self.p, self.targets)]
+        self.states = states
+        for name in states:
+            tensors = list(getattr(a, name))
+            setattr(self, name, tensors if self.skip is None else [t.clone() for t in tensors])
+        g = [t.float() if t.shape == x.shape else t.float().reshape(x.shape) for t, x in zip(a.grads, self.p)]
         if a.grad_scale is not None:
-            g = g / a.grad_scale.reshape(())
-        yield i, p, g.reshape(p.shape)
+            g = torch._foreach_div(g, a.grad_scale.reshape(()))
+        self.g = g
+
+    def finish(self) -> None:
+        """Write the states, master copies and parameters (rounded to their dtype)."""
+        a = self.a
+        for name in self.states:
+            _commit_all(getattr(a, name), getattr(self, name), self.skip)
+        _commit_all(self.targets, self.p, self.skip)
+        if a.master_params:
+            _commit_all(a.params, self.p, self.skip)
 
 
-def _commit(target: torch.Tensor, new: torch.Tensor, skip):
-    """Write ``new`` into ``target`` unless ``skip`` (a device bool) is set."""
-    new = new.reshape(target.shape).to(target.dtype)
-    if skip is None:
-        target.copy_(new)
+def _commit_all(targets, news, skip) -> None:
+    """Write each of ``news`` into its target (not where it is the target) unless ``skip`` (a device bool) is set."""
+    pairs = [(t, n if n.shape == t.shape else n.reshape(t.shape)) for t, n in zip(targets, news) if n is not t]
+    if not pairs:
+        return
+    dst, src = [t for t, _ in pairs], [n for _, n in pairs]
+    if skip is not None:
+        src = [torch.where(skip, t, n.to(t.dtype)) for t, n in zip(dst, src)]
+    torch._foreach_copy_(dst, src)
+
+
+def _sub_scaled_(p, update, scale) -> None:
+    """p -= scale * update, ``scale`` a number or a one-element tensor."""
+    if isinstance(scale, torch.Tensor):
+        torch._foreach_sub_(p, torch._foreach_mul(update, scale))
     else:
-        target.copy_(torch.where(skip, target, new))
+        torch._foreach_add_(p, update, alpha=-scale)
 
 
-def _write_params(a, i, new, skip):
-    if a.master_params:
-        _commit(a.master_params[i], new, skip)
-    _commit(a.params[i], new, skip)
+def _sub_ratio_(p, num, den, scale) -> None:
+    """p -= scale * num / den, ``scale`` a number or a one-element tensor."""
+    if isinstance(scale, torch.Tensor):
+        _sub_scaled_(p, torch._foreach_div(num, den), scale)
+    else:
+        torch._foreach_addcdiv_(p, num, den, value=-scale)
+
+
+def _add_weight_decay(g, p, weight_decay):
+    """g + weight_decay * p (a fresh list)."""
+    return torch._foreach_add(g, p, alpha=weight_decay)
 
 
 # fused_adam -------------------------------------------------------------------------------
@@ -131,26 +176,31 @@ def _check_adam(a) -> None:
 def fused_adam(a):
     """With ``grad_scale`` the unscaled gradients are also written back to ``grads`` (as torch's
     GradScaler leaves them for non-fused optimizers), unless the step is skipped."""
+    if not a.params:
+        return
     lr = _lr(a)
     bc1, bc2 = _bias_corrections(a)
-    skip = _skip(a)
-    for i, p, g in _tensors(a):
-        if a.grad_scale is not None:
-            _commit(a.grads[i], g, skip)
-        if a.maximize:
-            g = -g
-        if a.weight_decay != 0:
-            if a.adam_w_mode:
-                p = p * (1 - lr * a.weight_decay)
-            else:
-                g = g + a.weight_decay * p
-        m = a.exp_avgs[i] * a.beta1 + g * (1 - a.beta1)
-        v = a.exp_avg_sqs[i] * a.beta2 + g * g * (1 - a.beta2)
-        denom = v.sqrt() / bc2**0.5 + a.eps
-        p = p - (lr / bc1) * m / denom
-        _commit(a.exp_avgs[i], m, skip)
-        _commit(a.exp_avg_sqs[i], v, skip)
-        _write_params(a, i, p, skip)
+    w = _Work(a, "exp_avgs", "exp_avg_sqs")
+    g, p = w.g, w.p
+    if a.grad_scale is not None:
+        _commit_all(a.grads, g, w.skip)
+    if a.maximize:
+        g = torch._foreach_neg(g)
+    if a.weight_decay != 0:
+        if a.adam_w_mode:
+            torch._foreach_mul_(p, 1 - lr * a.weight_decay)
+        else:
+            g = _add_weight_decay(g, p, a.weight_decay)
+    m, v = w.exp_avgs, w.exp_avg_sqs
+    torch._foreach_mul_(m, a.beta1)
+    torch._foreach_add_(m, g, alpha=1 - a.beta1)
+    torch._foreach_mul_(v, a.beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - a.beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2**0.5)
+    torch._foreach_add_(denom, a.eps)
+    _sub_ratio_(p, m, denom, lr / bc1)
+    w.finish()
 
 
 # fused_sgd --------------------------------------------------------------------------------
@@ -175,20 +225,27 @@ def _check_sgd(a) -> None:
     check=_check_sgd,
 )
 def fused_sgd(a):
+    if not a.params:
+        return
     lr = _lr(a)
-    skip = _skip(a)
-    for i, p, g in _tensors(a):
-        if a.maximize:
-            g = -g
-        if a.weight_decay != 0 and not a.wd_after_momentum:
-            g = g + a.weight_decay * p
-        if a.momentum != 0:
-            buf = g if a.first_run else a.momentum_buffers[i] * a.momentum + g * (1 - a.dampening)
-            _commit(a.momentum_buffers[i], buf, skip)
-            g = g + a.momentum * buf if a.nesterov else buf
-        if a.weight_decay != 0 and a.wd_after_momentum:
-            g = g + a.weight_decay * p
-        _write_params(a, i, p - lr * g, skip)
+    w = _Work(a, "momentum_buffers") if a.momentum != 0 else _Work(a)
+    g, p = w.g, w.p
+    if a.maximize:
+        g = torch._foreach_neg(g)
+    if a.weight_decay != 0 and not a.wd_after_momentum:
+        g = _add_weight_decay(g, p, a.weight_decay)
+    if a.momentum != 0:
+        buf = w.momentum_buffers
+        if a.first_run:
+            torch._foreach_copy_(buf, g)
+        else:
+            torch._foreach_mul_(buf, a.momentum)
+            torch._foreach_add_(buf, g, alpha=1 - a.dampening)
+        g = torch._foreach_add(g, buf, alpha=a.momentum) if a.nesterov else buf
+    if a.weight_decay != 0 and a.wd_after_momentum:
+        g = _add_weight_decay(g, p, a.weight_decay)
+    _sub_scaled_(p, g, lr)
+    w.finish()
 
 
 # fused_adagrad ----------------------------------------------------------------------------
@@ -207,19 +264,25 @@ def _check_adagrad(a) -> None:
     check=_check_adagrad,
 )
 def fused_adagrad(a):
+    if not a.params:
+        return
     lr = _lr(a)
-    skip = _skip(a)
-    for i, p, g in _tensors(a):
-        if a.maximize:
-            g = -g
-        if a.weight_decay != 0 and not a.adagrad_w_mode:
-            g = g + a.weight_decay * p
-        h = a.state_sums[i] + g * g
-        update = g / (h.sqrt() + a.eps)
-        if a.weight_decay != 0 and a.adagrad_w_mode:
-            update = update + a.weight_decay * p
-        _commit(a.state_sums[i], h, skip)
-        _write_params(a, i, p - lr * update, skip)
+    w = _Work(a, "state_sums")
+    g, p, h = w.g, w.p, w.state_sums
+    if a.maximize:
+        g = torch._foreach_neg(g)
+    if a.weight_decay != 0 and not a.adagrad_w_mode:
+        g = _add_weight_decay(g, p, a.weight_decay)
+    torch._foreach_addcmul_(h, g, g)
+    denom = torch._foreach_sqrt(h)
+    torch._foreach_add_(denom, a.eps)
+    if a.weight_decay != 0 and a.adagrad_w_mode:
+        update = torch._foreach_div(g, denom)
+        torch._foreach_add_(update, p, alpha=a.weight_decay)
+        _sub_scaled_(p, update, lr)
+    else:
+        _sub_ratio_(p, g, denom, lr)
+    w.finish()
 
 
 # fused_lamb -------------------------------------------------------------------------------
@@ -256,24 +319,28 @@ def fused_lamb(a):
     bc1, bc2 = _bias_corrections(a)
     clip = lamb_clip_ratio(a.global_grad_norm, a.max_grad_norm)
     beta3 = 1 - a.beta1 if a.grad_averaging else 1.0
-    skip = _skip(a)
-    for i, p, g in _tensors(a):
-        g = g / clip
-        if a.weight_decay != 0 and not a.adam_w_mode:
-            g = g + a.weight_decay * p
-        m = a.exp_avgs[i] * a.beta1 + g * beta3
-        v = a.exp_avg_sqs[i] * a.beta2 + g * g * (1 - a.beta2)
-        update = (m / bc1) / ((v / bc2).sqrt() + a.eps)
-        if a.weight_decay != 0 and a.adam_w_mode:
-            update = update + a.weight_decay * p
-        if a.use_nvlamb or a.weight_decay != 0:
-            p_norm, u_norm = p.norm(), update.norm()
-            ratio = torch.where((p_norm > 0) & (u_norm > 0), p_norm / u_norm, torch.ones_like(p_norm))
-        else:
-            ratio = 1.0
-        _commit(a.exp_avgs[i], m, skip)
-        _commit(a.exp_avg_sqs[i], v, skip)
-        _write_params(a, i, p - lr * ratio * update, skip)
+    w = _Work(a, "exp_avgs", "exp_avg_sqs")
+    p, m, v = w.p, w.exp_avgs, w.exp_avg_sqs
+    g = torch._foreach_div(w.g, clip)
+    if a.weight_decay != 0 and not a.adam_w_mode:
+        torch._foreach_add_(g, p, alpha=a.weight_decay)
+    torch._foreach_mul_(m, a.beta1)
+    torch._foreach_add_(m, g, alpha=beta3)
+    torch._foreach_mul_(v, a.beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - a.beta2)
+    denom = torch._foreach_div(v, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, a.eps)
+    update = torch._foreach_div(m, bc1)
+    torch._foreach_div_(update, denom)
+    if a.weight_decay != 0 and a.adam_w_mode:
+        torch._foreach_add_(update, p, alpha=a.weight_decay)
+    if a.use_nvlamb or a.weight_decay != 0:
+        p_norms, u_norms = torch.stack(torch._foreach_norm(p)), torch.stack(torch._foreach_norm(update))
+        ratios = torch.where((p_norms > 0) & (u_norms > 0), p_norms / u_norms, torch.ones_like(p_norms))
+        torch._foreach_mul_(update, list(ratios.unbind()))
+    _sub_scaled_(p, update, lr)
+    w.finish()
 
 
 # fused_novograd ---------------------------------------------------------------------------
@@ -317,15 +384,18 @@ def fused_novograd(a):
         v = norms_sq
     else:
         v = a.exp_avg_sq_norms * a.beta2 + norms_sq * (1 - a.beta2)
-    _commit(a.exp_avg_sq_norms, v, skip)
+    _commit_all([a.exp_avg_sq_norms], [v], skip)
     beta3 = 1 - a.beta1 if a.grad_averaging else 1.0
-    for i, p, g in _tensors(a):
-        g = g / ((v[i] / bc2).sqrt() + a.eps)
-        if a.weight_decay != 0 and a.reg_inside_moment:
-            g = g + a.weight_decay * p
-        m = a.exp_avgs[i] * a.beta1 + g * beta3
-        update = m / bc1
-        if a.weight_decay != 0 and not a.reg_inside_moment:
-            update = update + a.weight_decay * p
-        _commit(a.exp_avgs[i], m, skip)
-        _write_params(a, i, p - lr * update, skip)
+    w = _Work(a, "exp_avgs")
+    p, m = w.p, w.exp_avgs
+    denom = (v / bc2).sqrt() + a.eps  # one per tensor
+    g = torch._foreach_div(w.g, list(denom.unbind()))
+    if a.weight_decay != 0 and a.reg_inside_moment:
+        torch._foreach_add_(g, p, alpha=a.weight_decay)
+    torch._foreach_mul_(m, a.beta1)
+    torch._foreach_add_(m, g, alpha=beta3)
+    update = torch._foreach_div(m, bc1)
+    if a.weight_decay != 0 and not a.reg_inside_moment:
+        torch._foreach_add_(update, p, alpha=a.weight_decay)
+    _sub_scaled_(p, update, lr)
+    w.finish()
