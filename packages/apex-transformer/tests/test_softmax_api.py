@@ -18,6 +18,13 @@ from apex.transformer.functional import fused_softmax as F
 OPS = torch.ops.apex_transformer
 
 
+@pytest.fixture(autouse=True)
+def _op_off_cuda(monkeypatch):
+    """Off CUDA the functions take torch's softmax by default; these tests run the op's reference there
+    (test_softmax_numerics.test_off_cuda_the_functions_are_torchs checks the default)."""
+    monkeypatch.setattr(F, "_TORCH_OFF_CUDA", False)
+
+
 def masked_fill(scores, mask):
     return scores.masked_fill(mask, -10000.0)
 
@@ -170,6 +177,7 @@ def test_legacy_module_fresh_interpreter(device, name):
 import importlib, torch
 m = importlib.import_module({name!r})
 from apex.transformer.functional import fused_softmax as F
+F._TORCH_OFF_CUDA = False  # the functions' op path, which the legacy modules call
 dev = {device!r}
 torch.manual_seed(0)
 for scale in (0.25, torch.tensor([0.25])[0]):  # Megatron-Core passes a 0-d CPU tensor

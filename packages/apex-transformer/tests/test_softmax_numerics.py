@@ -21,6 +21,13 @@ RTOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
 ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-5, torch.float32: 1e-7}
 
 
+@pytest.fixture(autouse=True)
+def _op_off_cuda(monkeypatch):
+    """Off CUDA the functions take torch's softmax by default; these tests run the op's reference there
+    (test_softmax_numerics.test_off_cuda_the_functions_are_torchs checks the default)."""
+    monkeypatch.setattr(F, "_TORCH_OFF_CUDA", False)
+
+
 def oracle_forward(x, mask, scale, causal):
     """softmax(scale * x, masked) in float64: causal j > i excluded, padding-masked scores -10000,
     rows with every element masked 0."""
@@ -230,3 +237,63 @@ def test_empty_and_single(device, dtype):
     assert _softmax_ops.scaled_softmax_forward(x, None, 1.0, True).item() == 1.0
     mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
     assert _softmax_ops.scaled_softmax_forward(x, mask, 1.0, False).item() == 0.0
+
+
+def _reaches(node, name, depth=8):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["plain", "padding", "causal"])
+def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype, kind):
+    """The default CPU path (torch's softmax, torch's autograd) against float64, the op and its errors."""
+    monkeypatch.setattr(F, "_TORCH_OFF_CUDA", True)
+    b, np_, sq, sk = 3, 5, 9, 9
+    x = torch.randn(b, np_, sq, sk).mul_(3).to(dtype).requires_grad_()
+    mask = random_mask(b, sq, sk, "cpu") if kind == "padding" else None
+    call = {
+        "plain": lambda t: F.scaled_softmax(t, 0.6),
+        "padding": lambda t: F.generic_scaled_masked_softmax(t, mask, 0.6),
+        "causal": lambda t: F.scaled_upper_triang_masked_softmax(t, None, 0.6),
+    }[kind]
+    y = call(x)
+    assert _reaches(y.grad_fn, "SoftmaxBackward"), y.grad_fn
+    assert not _reaches(y.grad_fn, "ScaledSoftmax")
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    assert_close(y, oracle_forward(x.detach(), mask, 0.6, kind == "causal"), dtype)
+    op_y = _softmax_ops.scaled_softmax_forward(x.detach(), mask, 0.6, kind == "causal")
+    torch.testing.assert_close(y, op_y, rtol=RTOL[dtype], atol=ATOL[dtype])
+    if kind == "padding":
+        assert torch.all(y[0, :, 1] == 0), "a fully masked row gives 0"
+    dy = torch.randn_like(y)
+    if kind == "causal":  # not read above the diagonal, as by the op's backward
+        dy.masked_fill_(torch.ones(sk, sk, dtype=torch.bool).triu(1), float("nan"))
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().double().requires_grad_()
+    oracle_forward(x64, mask, 0.6, kind == "causal").backward(dy.double().nan_to_num(0.0))
+    grad_close(dx, x64.grad, dtype)
+    if kind == "padding":
+        assert torch.all(dx[0, :, 1] == 0), "a fully masked row has no gradient"
+    # the op's checks, in its words
+    with pytest.raises(TypeError, match=r"scaled_softmax_forward: input has dtype torch\.float64"):
+        call(x.detach().double())
+    if kind == "padding":
+        with pytest.raises(ValueError, match=r"scaled_softmax_forward: mask has shape \(3, 5, 9, 9\)"):
+            F.scaled_masked_softmax(x, mask.expand(b, np_, sq, sk), 0.6)
+
+
+def test_off_cuda_the_functions_compile(monkeypatch):
+    monkeypatch.setattr(F, "_TORCH_OFF_CUDA", True)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.bfloat16)
+    mask = torch.rand(2, 1, 8, 8) < 0.3
+
+    def step(t):
+        a = F.scaled_masked_softmax(t, mask, 0.5)
+        return (a.float() * 2 + F.scaled_upper_triang_masked_softmax(t, None, 0.5).float()).sum()
+
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    step(eager_x).backward()
+    torch.compile(step, fullgraph=True, backend="aot_eager")(compiled_x).backward()
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad)

@@ -56,7 +56,7 @@ def _square(op: str, name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{op}: causal masking needs a square {name} (sq == sk), got {name} of shape {tuple(t.shape)}")
 
 
-def _check_forward(a) -> None:
+def check_forward(a) -> None:
     op, input, mask = a.op, a.input, a.mask
     _float_input(op, "input", input)
     _rows_layout(op, "input", input)
@@ -100,7 +100,7 @@ def _check_backward(a) -> None:
 # references ------------------------------------------------------------------------------------
 
 
-def _causal_mask(sq: int, sk: int, device) -> torch.Tensor:
+def causal_mask(sq: int, sk: int, device) -> torch.Tensor:
     """True above the diagonal: the elements a causal row excludes."""
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu_(1)
 
@@ -110,7 +110,7 @@ def reference_forward(input, mask, scale, causal):
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     scores = input.to(compute) * scale
     if causal:
-        scores = scores.masked_fill(_causal_mask(input.shape[-2], input.shape[-1], input.device), float("-inf"))
+        scores = scores.masked_fill(causal_mask(input.shape[-2], input.shape[-1], input.device), float("-inf"))
     if mask is not None:
         masked = mask.bool()
         scores = scores.masked_fill(masked, MASKED_SCORE)
@@ -126,7 +126,7 @@ def reference_backward(grad_output, output, scale, causal):
     y = output.to(compute)
     dy = grad_output.to(compute)
     if causal:  # neither is read above the diagonal, where a causal output is 0
-        above = _causal_mask(y.shape[-2], y.shape[-1], y.device)
+        above = causal_mask(y.shape[-2], y.shape[-1], y.device)
         y = y.masked_fill(above, 0.0)
         dy = dy.masked_fill(above, 0.0)
     dot = (y * dy).sum(dim=-1, keepdim=True)
@@ -147,7 +147,7 @@ def _backward_fake(a):
 @op(
     KERNELS,
     "scaled_softmax_forward(Tensor input, Tensor? mask=None, float scale=1.0, bool causal=False) -> Tensor",
-    check=_check_forward,
+    check=check_forward,
     fake=_forward_fake,
 )
 def scaled_softmax_forward(a):
