@@ -166,6 +166,27 @@ def test_ignored_rows_and_padding_classes_get_zero_gradient(device):
     assert (grad[targets != -2][:, :9] != 0).all()  # every counted element has a gradient
 
 
+def test_non_finite_logits_of_ignored_rows_and_padding_classes_count_for_nothing(device):
+    # they are not read (the kernel) or masked exactly (the reference), never multiplied by 0
+    x = random_logits((6, 10), torch.float32, device)
+    targets = torch.tensor([1, -2, 3, -2, -1, 8], device=device)
+    finite = x.clone()
+    finite[targets == -2] = 0
+    finite[:, 9:] = 0
+    x[1] = float("nan")
+    x[3, :4] = float("inf")
+    x[3, 4:] = -float("inf")
+    x[:, 9] = float("nan")
+    num_pos = torch.tensor([2.0], device=device)
+    loss, partial = _ops.focal_loss_forward(x, targets, num_pos, 9, ALPHA, GAMMA)
+    expected, expected_grad = loss_and_gradient(finite, targets, num_pos, 9)
+    assert torch.isfinite(loss) and torch.isfinite(partial).all()
+    assert_loss_close(loss, expected, torch.float32)
+    assert_gradient_close(partial / num_pos, expected_grad)
+    assert torch.equal(partial[targets == -2], torch.zeros_like(partial[targets == -2]))
+    assert torch.equal(partial[:, 9:], torch.zeros_like(partial[:, 9:]))
+
+
 def test_a_second_derivative_raises(device):
     x = random_logits((4, 6), torch.float32, device).requires_grad_()
     targets = random_targets((4,), 6, device)
