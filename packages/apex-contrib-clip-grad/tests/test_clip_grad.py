@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from apex.contrib.clip_grad import clip_grad_norm_
+from apex.contrib.clip_grad import clip_grad, clip_grad_norm_
 from apex.contrib.clip_grad.clip_grad import CHUNK_SIZE
 from apex.core.testing import load_example
 
@@ -20,6 +20,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 7, 33, 1000, 70_001]
 ORDERS = [2.0, math.inf, 1.0, 3.0, 0.5]
 NONFINITE = r"^The total norm of order {} for gradients from `parameters` is non-finite, so it cannot be clipped"
+
+
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """Off CUDA the L2 path takes torch's foreach norm and multiply by default; these tests run
+    apex-core's ops there (test_off_cuda_the_l2_path_is_torchs checks the default)."""
+    monkeypatch.setattr(clip_grad, "_TORCH_OFF_CUDA", False)
 
 
 def make_params(shapes, dtypes, device, scale=1.0):
@@ -385,3 +392,61 @@ def test_demo_clips_with_this_package(device):
     torch.testing.assert_close(native_clip(twins, 0.5), norm)
     assert_clipped([p.grad for p in params], expected)
     assert_clipped([p.grad for p in twins], expected)
+
+
+# the default path off CUDA --------------------------------------------------------------------
+
+
+class _NoOps:
+    def __getattr__(self, name):
+        raise AssertionError(f"the default CPU path called apex-core's {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("clips", [True, False], ids=["clips", "below-max"])
+def test_off_cuda_the_l2_path_is_torchs(monkeypatch, dtype, clips):
+    """torch's foreach norm (float32 sums) and multiply, no apex-core op: as the ops' path against
+    float64 and torch, the same returned dtype, 16-bit norms past float16's range finite inside."""
+    monkeypatch.setattr(clip_grad, "_TORCH_OFF_CUDA", True)
+    monkeypatch.setattr(clip_grad, "core_ops", _NoOps())
+    shapes = [(n,) for n in SIZES] + [(3, 5, 7)]
+    params = make_params(shapes, [dtype] * len(shapes), "cpu", scale=1.0)
+    theirs = clone_params(params)
+    grads = [p.grad for p in params]
+    total, _ = reference(grads, 1.0, 2.0)
+    max_norm = 0.25 * float(total) if clips else 4.0 * float(total)
+    total, expected = reference(grads, max_norm, 2.0)
+    before = [g.clone() for g in grads]
+    norm = clip_grad_norm_(params, max_norm)
+    their_norm = torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert (norm.shape, norm.dtype, norm.device) == (their_norm.shape, their_norm.dtype, their_norm.device)
+    torch.testing.assert_close(norm.double(), total, rtol=eps(dtype) + 1e-5, atol=0)
+    assert all(p.grad is g for p, g in zip(params, grads))  # in place
+    assert_clipped(grads, expected)
+    if not clips:
+        assert all(torch.equal(g, b) for g, b in zip(grads, before))
+    # mixed dtypes, float64 through torch's norm
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    params = make_params([(70_001,), (1000,), (33,), (7, 9)], dtypes, "cpu", scale=2.0)
+    total, expected = reference([p.grad for p in params], 10.0, 2.0)
+    norm = clip_grad_norm_(params, 10.0)
+    assert norm.dtype == torch.float64
+    torch.testing.assert_close(norm, total, rtol=1e-5, atol=0)
+    assert_clipped([p.grad for p in params], expected, slack=1e-5)
+    # float32 sums: a float16 norm past 65504 clips by its finite float32 value
+    params = make_params([(4096,)], [torch.float16], "cpu", scale=2000.0)
+    total, expected = reference([p.grad for p in params], 1.0, 2.0)
+    assert torch.isinf(clip_grad_norm_(params, 1.0))
+    assert_clipped([params[0].grad], expected)
+
+
+@pytest.mark.slow
+def test_off_cuda_the_l2_path_compiles(monkeypatch):
+    monkeypatch.setattr(clip_grad, "_TORCH_OFF_CUDA", True)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float64]
+    params = make_params([(1000,), (333,), (8, 65), (12,)], dtypes, "cpu", scale=2.0)
+    theirs = clone_params(params)
+    compiled = torch.compile(lambda ps: clip_grad_norm_(ps, 0.5), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(params), clip_grad_norm_(theirs, 0.5))
+    for p, q in zip(params, theirs):
+        torch.testing.assert_close(p.grad, q.grad)
