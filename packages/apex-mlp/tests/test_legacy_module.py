@@ -10,6 +10,13 @@ import pytest
 import torch
 
 from apex.mlp import MLP
+from apex.mlp import mlp as mlp_module
+
+
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """The module through the ops (as mlp_cuda), not torch's default CPU path."""
+    monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", False)
 
 
 def test_fresh_interpreter_import():

@@ -10,8 +10,16 @@ import torch
 from torch import nn
 
 from apex.mlp import MLP, MlpFunction, mlp_function
+from apex.mlp import mlp as mlp_module
 
 ACTIVATION_MODULES = {"none": nn.Identity, "relu": nn.ReLU, "sigmoid": nn.Sigmoid}
+
+
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """Off CUDA the MLP takes torch's linear layers by default; these tests run the ops' references
+    there (test_mlp_module.test_off_cuda_the_mlp_is_torchs checks the default)."""
+    monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", False)
 
 
 @pytest.fixture(autouse=True)
@@ -133,3 +141,48 @@ def test_repr_and_input_errors():
         mlp(torch.randn(2, 4))
     with pytest.raises(ValueError, match="mlp_sizes must hold at least two sizes"):
         MLP([3])
+
+
+def _reaches(node, name, depth=8):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATION_MODULES))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_off_cuda_the_mlp_is_torchs(monkeypatch, activation, bias, dtype):
+    """The default CPU path (torch's linear layers and autograd) against float64 and the ops' path,
+    with the ops' errors."""
+    torch.manual_seed(0)
+    mlp = MLP([24, 40, 17, 8], bias=bias, activation=activation).to(dtype=dtype)
+    x = torch.randn(19, 24, dtype=dtype)
+    dy = torch.randn(19, 8, dtype=dtype)
+    params = (*mlp.weights, *mlp.biases)
+    results = {}
+    for default in (True, False):
+        monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", default)
+        xg = x.clone().requires_grad_()
+        y = mlp(xg)
+        assert _reaches(y.grad_fn, "Mlp") != default, y.grad_fn
+        results[default] = (y, *torch.autograd.grad(y, (xg, *params), dy))
+    monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", True)
+    reference = sequential_like(mlp.to(torch.float64), activation)
+    mlp.to(dtype)
+    x64 = x.double().requires_grad_()
+    y64 = reference(x64)
+    linears = [m for m in reference if isinstance(m, nn.Linear)]
+    expected = (
+        y64,
+        *torch.autograd.grad(y64, (x64, *(m.weight for m in linears), *(m.bias for m in linears if bias)), dy.double()),
+    )
+    tol = {torch.float32: 2e-5, torch.bfloat16: 3e-2}[dtype]
+    for got, ops, want in zip(results[True], results[False], expected, strict=True):
+        assert got.dtype == dtype
+        scale = want.abs().max().item()
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+        torch.testing.assert_close(got, ops, rtol=tol, atol=tol * scale)
+    with pytest.raises(TypeError, match=r"mlp_forward: weights\[0\] has dtype"):
+        mlp(x.double())
+    assert torch.equal(MlpFunction.apply(int(bias), mlp.activation, x, *params), mlp(x))
