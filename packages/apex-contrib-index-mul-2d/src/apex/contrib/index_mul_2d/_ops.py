@@ -93,12 +93,24 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _gathered(op: str, t: torch.Tensor, idx1: torch.Tensor) -> torch.Tensor:
-    """t[idx1] in the math dtype; indices out of [0, N1) raise (on the CPU; on CUDA index_select
-    asserts on the device)."""
+    """t[idx1], a new tensor in t's dtype; indices out of [0, N1) raise (on the CPU; on CUDA
+    index_select asserts on the device)."""
     if idx1.device.type == "cpu" and idx1.numel() and (int(idx1.min()) < 0 or int(idx1.max()) >= t.shape[0]):
         bad = idx1[(idx1 < 0) | (idx1 >= t.shape[0])][0]
         raise IndexError(f"{op}: idx1 has a value out of range: {int(bad)} is not in [0, {t.shape[0]}) (in1's rows)")
-    return torch.index_select(t, 0, idx1).to(_math_dtype(t.dtype))
+    return torch.index_select(t, 0, idx1)
+
+
+# A product of two tensors of one dtype is taken in that dtype: torch's 16-bit multiplication computes
+# in float32 and rounds once (the product of two 16-bit values is exact in float32), so this is the
+# float32 math rounded once without float32 copies (which, and mixed-dtype products, took the CPU path
+# 2x torch's time in bfloat16). Sums take the math dtype.
+
+
+def _math_product(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x * y in the math dtype, a new tensor (exact for 16-bit x and y)."""
+    math = _math_dtype(x.dtype)
+    return torch.mul(x, y) if x.dtype == math else x.to(math).mul_(y)
 
 
 def _scattered(rows: int, idx1: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,7 +126,7 @@ def _scattered(rows: int, idx1: torch.Tensor, values: torch.Tensor, dtype: torch
     fake=lambda a: torch.empty_like(a.in2),
 )
 def index_mul_2d(a):
-    return (_gathered(a.op, a.in1, a.idx1) * a.in2).to(a.in2.dtype)
+    return _gathered(a.op, a.in1, a.idx1).mul_(a.in2)
 
 
 @op(
@@ -124,10 +136,8 @@ def index_mul_2d(a):
     fake=lambda a: (torch.empty_like(a.in1), torch.empty_like(a.in2)),
 )
 def index_mul_2d_backward(a):
-    math = _math_dtype(a.in1.dtype)
-    grad_out = a.grad_out.to(math)
-    grad_in2 = (grad_out * _gathered(a.op, a.in1, a.idx1)).to(a.in2.dtype)
-    grad_in1 = _scattered(a.in1.shape[0], a.idx1, grad_out * a.in2, a.in1.dtype)
+    grad_in2 = _gathered(a.op, a.in1, a.idx1).mul_(a.grad_out)
+    grad_in1 = _scattered(a.in1.shape[0], a.idx1, _math_product(a.grad_out, a.in2), a.in1.dtype)
     return grad_in1, grad_in2
 
 
@@ -139,13 +149,11 @@ def index_mul_2d_backward(a):
     fake=lambda a: (torch.empty_like(a.grad_out), torch.empty_like(a.in1), torch.empty_like(a.in2)),
 )
 def index_mul_2d_backward_backward(a):
-    math = _math_dtype(a.in1.dtype)
     gg1 = _gathered(a.op, a.grad_grad_in1, a.idx1)
-    gg2, grad_out = a.grad_grad_in2.to(math), a.grad_out.to(math)
-    grad_grad_out = (gg1 * a.in2 + gg2 * _gathered(a.op, a.in1, a.idx1)).to(a.grad_out.dtype)
-    grad_in1 = _scattered(a.in1.shape[0], a.idx1, gg2 * grad_out, a.in1.dtype)
-    grad_in2 = (gg1 * grad_out).to(a.in2.dtype)
-    return grad_grad_out, grad_in1, grad_in2
+    grad_grad_out = _math_product(gg1, a.in2).addcmul_(a.grad_grad_in2, _gathered(a.op, a.in1, a.idx1))
+    grad_in1 = _scattered(a.in1.shape[0], a.idx1, _math_product(a.grad_grad_in2, a.grad_out), a.in1.dtype)
+    grad_in2 = gg1.mul_(a.grad_out)
+    return grad_grad_out.to(a.grad_out.dtype), grad_in1, grad_in2
 
 
 # autograd --------------------------------------------------------------------------------------
