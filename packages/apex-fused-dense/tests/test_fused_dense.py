@@ -18,6 +18,7 @@ from apex.fused_dense import (
     fused_dense_function,
     fused_dense_gelu_dense_function,
 )
+from apex.fused_dense import fused_dense as fused_dense_module
 from apex.fused_dense._plugin import KERNELS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -27,6 +28,13 @@ TOL = {torch.float64: 1e-12, torch.float32: 3e-5, torch.float16: 6e-3, torch.bfl
 # (rows, in_features, hidden, out_features): ones, odd sizes, sizes that are not multiples of 8
 # (cuBLASLt's alignment: the fallback), and aligned ones (cuBLASLt's epilogues).
 SHAPES = [(1, 1, 1, 1), (7, 5, 3, 9), (33, 17, 40, 6), (64, 128, 96, 32), (257, 64, 256, 128)]
+
+
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """Off CUDA the functions take torch's F.linear / F.gelu by default; these tests run the ops'
+    references there (test_fused_dense.test_off_cuda_the_functions_are_torchs checks the default)."""
+    monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", False)
 
 
 @pytest.fixture(autouse=True)
@@ -441,3 +449,44 @@ def test_second_gpu():
     assert_close_to_float64(out.detach(), expected_out.detach(), torch.bfloat16)
     for g, e in zip(got, grads(expected_out, inputs64, dy.double())):
         assert_close_to_float64(g, e, torch.bfloat16)
+
+
+def _reaches(node, name, depth=8):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype):
+    """The default CPU path (torch's F.linear / F.gelu and autograd, no op in the graph) against
+    float64 and the ops' path, with the ops' errors, for the three functions and any leading shape."""
+    rows, k, hidden, n = 33, 17, 40, 6
+    x = randn((3, rows, k), dtype, "cpu", seed=1)
+    w1, b1 = randn((hidden, k), dtype, "cpu", k**-0.5, seed=2), randn((hidden,), dtype, "cpu", seed=3)
+    w2, b2 = randn((n, hidden), dtype, "cpu", hidden**-0.5, seed=4), randn((n,), dtype, "cpu", seed=5)
+    cases = [
+        (fused_dense_function, (x, w1, b1), "FusedDenseFunc"),
+        (dense_no_bias_function, (x, w1), "DenseNoBiasFunc"),
+        (fused_dense_gelu_dense_function, (x, w1, b1, w2, b2), "FusedDenseGeluDenseFunc"),
+    ]
+    for function, inputs, node in cases:
+        results = {}
+        for default in (True, False):
+            monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", default)
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            out = function(*leaves)
+            assert _reaches(out.grad_fn, node) != default, (function.__name__, out.grad_fn)
+            dy = randn(tuple(out.shape), dtype, "cpu", seed=6)
+            results[default] = [out, *torch.autograd.grad(out, leaves, dy)]
+        monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", True)
+        leaves64 = float64_copies(*inputs)
+        out64 = function(*leaves64)
+        expected = [out64, *torch.autograd.grad(out64, leaves64, dy.double())]
+        for got, ops, want in zip(results[True], results[False], expected, strict=True):
+            assert_close_to_float64(got, want, dtype, function.__name__)
+            assert_close_to_float64(ops, got.double(), dtype, function.__name__)
+    with pytest.raises(TypeError, match=r"linear_forward: weight has dtype torch\.float16 but input has"):
+        fused_dense_function(x, w1.half(), b1)
+    with pytest.raises(ValueError, match=r"linear_gelu_linear_forward: weight2\.size\(1\) is 6, expected 40"):
+        fused_dense_gelu_dense_function(x, w1, b1, w2.t(), b2)

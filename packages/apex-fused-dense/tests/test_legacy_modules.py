@@ -11,6 +11,14 @@ import pytest
 import torch
 
 from apex.fused_dense import dense_no_bias_function, fused_dense_function, fused_dense_gelu_dense_function
+from apex.fused_dense import fused_dense as fused_dense_module
+
+
+@pytest.fixture(autouse=True)
+def _ops_off_cuda(monkeypatch):
+    """The public functions through the ops (as the legacy modules), not torch's default CPU path."""
+    monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", False)
+
 
 MODULES = {
     "fused_dense_cuda": [
