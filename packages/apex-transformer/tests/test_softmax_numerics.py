@@ -276,6 +276,19 @@ def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype, kind):
     grad_close(dx, x64.grad, dtype)
     if kind == "padding":
         assert torch.all(dx[0, :, 1] == 0), "a fully masked row has no gradient"
+    # the op's backward, also where masked scores carry the weight (row 2: unmasked scores below -10000)
+    x2 = x.detach().clone()
+    if kind == "padding":
+        x2[:, :, 2] -= 20000.0 / 0.6
+    grads = []
+    for default in (True, False):
+        monkeypatch.setattr(F, "_TORCH_OFF_CUDA", default)
+        leaf = x2.clone().requires_grad_()
+        grads.append(torch.autograd.grad(call(leaf), leaf, dy)[0])
+    monkeypatch.setattr(F, "_TORCH_OFF_CUDA", True)
+    if kind == "padding":
+        assert grads[1][:, :, 2].abs().amax() > 0, "masked scores with weight have a gradient in the op"
+    torch.testing.assert_close(grads[0], grads[1], rtol=RTOL[dtype], atol=RTOL[dtype] * grads[1].abs().max().item())
     # the op's checks, in its words
     with pytest.raises(TypeError, match=r"scaled_softmax_forward: input has dtype torch\.float64"):
         call(x.detach().double())
