@@ -8,12 +8,25 @@ import inspect
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from apex.contrib.layer_norm import FastLayerNorm, FastLayerNormFN
+from apex.contrib.layer_norm import layer_norm as layer_norm_module
 from apex.contrib.layer_norm.layer_norm import forward
 from apex.normalization import FusedLayerNorm, MixedFusedLayerNorm
 
-from ._helpers import EPS, PAIRS, TOL, assert_close, check_gradients, pair_id, params, randn, reference
+from ._helpers import (
+    EPS,
+    PAIRS,
+    TOL,
+    _op_off_cuda,  # noqa: F401  (autouse: the op's path off CUDA)
+    assert_close,
+    check_gradients,
+    pair_id,
+    params,
+    randn,
+    reference,
+)
 
 # Empty, one element, odd, a leading shape of two dimensions, not a multiple of any vector width.
 SHAPES = [(0, 64), (1, 1), (3, 7), (2, 3, 768), (5, 1000), (4, 4097)]
@@ -311,3 +324,46 @@ def test_second_gpu():
     out = FastLayerNormFN.apply(x, m.weight, m.bias, EPS, True)
     (dx,) = torch.autograd.grad(out.float().sum(), x)
     assert dx.device == torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-input", "memory-efficient"])
+@pytest.mark.parametrize("pair", PAIRS, ids=pair_id)
+def test_off_cuda_the_module_is_torchs(monkeypatch, pair, memory_efficient):
+    monkeypatch.setattr(layer_norm_module, "_TORCH_OFF_CUDA", True)
+    x_dtype, w_dtype = pair
+    x = randn((2, 5, 1000), "cpu", x_dtype, 2.0, 0.5)
+    gamma, beta = params(1000, "cpu", w_dtype)
+    dy = randn((2, 5, 1000), "cpu", w_dtype)
+    m = FastLayerNorm(1000, memory_efficient=memory_efficient, dtype=w_dtype)
+    with torch.no_grad():
+        m.weight.copy_(gamma)
+        m.bias.copy_(beta)
+    y64, _, _, leaves = reference(x, gamma, beta)
+    expected = torch.autograd.grad(y64, leaves, dy.double())
+    for fn, w, b in (
+        (m, m.weight, m.bias),
+        (lambda x: FastLayerNormFN.apply(x, gamma, beta, EPS, memory_efficient), gamma, beta),
+    ):
+        w.requires_grad_()
+        b.requires_grad_()
+        xr = x.detach().requires_grad_()
+        out = fn(xr)
+        assert _reaches(out.grad_fn, "NativeLayerNorm"), out.grad_fn
+        assert (out.dtype, out.shape) == (w_dtype, x.shape)
+        if x_dtype == w_dtype:
+            torch.testing.assert_close(out, F.layer_norm(x, (1000,), gamma, beta, EPS), rtol=0, atol=0)
+        assert_close(out, y64, TOL[w_dtype], "output")
+        grads = torch.autograd.grad(out, (xr, w, b), dy)
+        check_gradients(grads, expected, x, gamma, dy, w_dtype, False)
+    # the op's checks, and upstream's gamma of any shape with hidden_size elements
+    with pytest.raises(ValueError, match=r"^FastLayerNormFN: x has shape \(2, 5, 1000\); its last dimension"):
+        FastLayerNormFN.apply(x, gamma[:999], beta[:999], EPS)
+    gamma2 = gamma.view(10, 100).detach().requires_grad_()
+    out = FastLayerNormFN.apply(x, gamma2, beta.view(10, 100), EPS)
+    assert torch.autograd.grad(out, gamma2, dy)[0].shape == (10, 100)
+
+
+def _reaches(node, name, depth=6):
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
