@@ -6,11 +6,8 @@ mode the tests folder is a namespace package, not a folder on ``sys.path``.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
-
-from apex.contrib.layer_norm import layer_norm as layer_norm_module
 
 # Relative error of one rounding to the dtype, with headroom for the float32 arithmetic.
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float64: 1e-10}
@@ -94,11 +91,3 @@ def check_gradients(got, expected, x, gamma, dy, out_dtype, memory_efficient):
     tol_w = slack * max(TOL[gamma.dtype], TOL[out_dtype])
     assert_close(dgamma, eg, tol_w, "dgamma")
     assert_close(dbeta, eb, tol_w, "dbeta")
-
-
-@pytest.fixture(autouse=True)
-def _op_off_cuda(monkeypatch):
-    """Off CUDA FastLayerNorm and FastLayerNormFN.apply take torch's layer norm by default; the tests that
-    import this fixture run apex-normalization's op there (test_off_cuda_the_module_is_torchs checks the
-    default)."""
-    monkeypatch.setattr(layer_norm_module, "_TORCH_OFF_CUDA", False)

@@ -19,7 +19,6 @@ from ._helpers import (
     EPS,
     PAIRS,
     TOL,
-    _op_off_cuda,  # noqa: F401  (autouse: the op's path off CUDA)
     assert_close,
     check_gradients,
     pair_id,

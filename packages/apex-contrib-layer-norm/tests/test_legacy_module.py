@@ -18,7 +18,6 @@ from ._helpers import (
     PAIRS,
     TOL,
     UPSTREAM_HIDDEN_SIZES,
-    _op_off_cuda,  # noqa: F401  (autouse: the op's path off CUDA)
     assert_close,
     check_gradients,
     pair_id,
