@@ -52,6 +52,25 @@ def _op_off_cuda(monkeypatch):
     monkeypatch.setattr(softmax_xentropy_module, "_TORCH_OFF_CUDA", False)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("off_cuda", ["torch", "op"])
+def test_non_finite_logits_in_padding_rows_count_for_nothing(monkeypatch, bad, off_cuda):
+    monkeypatch.setattr(softmax_xentropy_module, "_TORCH_OFF_CUDA", off_cuda == "torch")
+    logits, labels = random_case(6, 50, torch.float32, "cpu", padding_idx=0)
+    labels[1] = 0
+    logits[1, 7] = bad
+    leaf = logits.clone().requires_grad_()
+    losses = SoftmaxCrossEntropyLoss.apply(leaf, labels, 0.1, 0, False)
+    losses.sum().backward()
+    pad = labels == 0
+    assert torch.isfinite(losses).all() and torch.all(losses[pad] == 0)
+    assert torch.all(leaf.grad[pad] == 0) and torch.isfinite(leaf.grad).all()
+    clean = logits.clone()
+    clean[pad] = 0.0
+    want = SoftmaxCrossEntropyLoss.apply(clean, labels, 0.1, 0, False)
+    torch.testing.assert_close(losses, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("padding_idx", [0, None, -100])
 def test_off_cuda_the_loss_is_torchs(monkeypatch, dtype, padding_idx):

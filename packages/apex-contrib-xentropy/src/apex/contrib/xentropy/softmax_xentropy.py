@@ -59,8 +59,8 @@ class SoftmaxCrossEntropyLoss:
 
     Off CUDA, unless ``inplace_backward``, this is ``F.cross_entropy`` of ``logits.float()`` (with
     ``ignore_index=padding_idx``), after the op's checks: the same math, several times faster on the CPU
-    than the op's PyTorch reference. Only there a padding row's logits are read: non-finite ones give
-    that row a NaN gradient (its loss stays 0).
+    than the op's PyTorch reference (padding rows with non-finite logits are zeroed first, so that they
+    keep loss 0 and gradient 0 as on the op's path).
 
     Labels outside ``[0, vocab)`` that are not ``padding_idx``: the CPU path (and any path
     through the PyTorch reference) raises ValueError naming the first; the CUDA kernels never read
@@ -105,7 +105,12 @@ def _torch_losses(logits, labels, smoothing, padding_idx, half_to_float):
         _ops._safe_labels(op, labels, vocab, padding_idx, _ops.padding_rows(labels, padding_idx))
     # With every label checked in [0, vocab), -100 ignores no row when padding_idx is None.
     ignore_index = -100 if padding_idx is None else padding_idx
-    losses = F.cross_entropy(
-        logits.float(), labels, label_smoothing=smoothing, ignore_index=ignore_index, reduction="none"
-    )
+    x = logits.float()
+    if padding_idx is not None:
+        # F.cross_entropy reads a padding row's logits: a non-finite one would give that row a NaN
+        # gradient. The op's path gives it 0, so such rows are zeroed first (a check of those rows alone).
+        pad = labels == padding_idx
+        if bool(pad.any()) and not bool(torch.isfinite(logits[pad]).all()):
+            x = x.masked_fill(pad.unsqueeze(1), 0.0)
+    losses = F.cross_entropy(x, labels, label_smoothing=smoothing, ignore_index=ignore_index, reduction="none")
     return losses.to(torch.float32 if half_to_float else logits.dtype)
