@@ -25,6 +25,7 @@ from apex.contrib.group_norm import (
 from apex.contrib.group_norm import group_norm as group_norm_module
 from apex.contrib.group_norm._plugin import KERNELS
 from apex.core import loader
+from apex.core.testing import graph_reaches
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (N, C, *spatial, G): HW = 1, N = 1, C/G odd, C/G = 10 (Stable Diffusion's 320/32), C/G = 1,
@@ -92,7 +93,7 @@ def test_off_cuda_the_module_is_torchs(monkeypatch):
         module = make_module(24, 6, "silu", dtype, "cpu", param_dtype=param_dtype)
         x = random_input((2, 24, 5, 7), dtype, "cpu").requires_grad_()
         y = module(x)
-        assert _reaches(y.grad_fn, "NativeGroupNorm"), y.grad_fn
+        assert graph_reaches(y.grad_fn, "NativeGroupNorm", depth=6), y.grad_fn
         assert y.dtype == dtype
         want = torch_group_norm(x, 6, module.weight, module.bias, module.eps, "silu")
         torch.testing.assert_close(y, want, rtol=0, atol=0)
@@ -104,12 +105,6 @@ def test_off_cuda_the_module_is_torchs(monkeypatch):
         assert_close(grads[0], expected_grads[0], dtype, scale=4.0)
         for got, want in zip(grads[1:], expected_grads[1:]):
             assert_close(got, want, dtype, scale=4.0 * 70**0.5)
-
-
-def _reaches(node, name, depth=6):
-    if node is None or depth == 0:
-        return False
-    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
 
 
 def make_module(channels, groups, act, dtype, device, param_dtype=None):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from apex.contrib.layer_norm import FastLayerNorm, FastLayerNormFN
 from apex.contrib.layer_norm import layer_norm as layer_norm_module
 from apex.contrib.layer_norm.layer_norm import forward
+from apex.core.testing import graph_reaches
 from apex.normalization import FusedLayerNorm, MixedFusedLayerNorm
 
 from ._helpers import (
@@ -347,7 +348,7 @@ def test_off_cuda_the_module_is_torchs(monkeypatch, pair, memory_efficient):
         b.requires_grad_()
         xr = x.detach().requires_grad_()
         out = fn(xr)
-        assert _reaches(out.grad_fn, "NativeLayerNorm"), out.grad_fn
+        assert graph_reaches(out.grad_fn, "NativeLayerNorm", depth=6), out.grad_fn
         assert (out.dtype, out.shape) == (w_dtype, x.shape)
         if x_dtype == w_dtype:
             torch.testing.assert_close(out, F.layer_norm(x, (1000,), gamma, beta, EPS), rtol=0, atol=0)
@@ -360,9 +361,3 @@ def test_off_cuda_the_module_is_torchs(monkeypatch, pair, memory_efficient):
     gamma2 = gamma.view(10, 100).detach().requires_grad_()
     out = FastLayerNormFN.apply(x, gamma2, beta.view(10, 100), EPS)
     assert torch.autograd.grad(out, gamma2, dy)[0].shape == (10, 100)
-
-
-def _reaches(node, name, depth=6):
-    if node is None or depth == 0:
-        return False
-    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)

@@ -15,7 +15,7 @@ import apex.core
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from apex.contrib.xentropy import softmax_xentropy as softmax_xentropy_module
 from apex.contrib.xentropy._plugin import PLUGIN
-from apex.core.testing import load_example
+from apex.core.testing import graph_reaches, load_example
 
 OPS_NAMES = ["softmax_cross_entropy_forward", "softmax_cross_entropy_backward", "softmax_cross_entropy_backward_"]
 
@@ -81,7 +81,8 @@ def test_off_cuda_the_loss_is_torchs(monkeypatch, dtype, padding_idx):
     for half_to_float in (False, True):
         leaf = logits.clone().requires_grad_()
         losses = SoftmaxCrossEntropyLoss.apply(leaf, labels, 0.1, padding_idx, half_to_float)
-        assert _reaches(losses.grad_fn, "NllLoss") and not _reaches(losses.grad_fn, "SoftmaxCrossEntropy")
+        assert graph_reaches(losses.grad_fn, "NllLoss", depth=6)
+        assert not graph_reaches(losses.grad_fn, "SoftmaxCrossEntropy", depth=6)
         assert losses.dtype == (torch.float32 if half_to_float else dtype) and losses.shape == (10,)
         ignore = -100 if padding_idx is None else padding_idx
         want = F.cross_entropy(logits.float(), labels, label_smoothing=0.1, ignore_index=ignore, reduction="none")
@@ -108,13 +109,7 @@ def test_off_cuda_the_loss_is_torchs(monkeypatch, dtype, padding_idx):
     # inplace_backward keeps the op (torch's loss cannot write its gradient over the logits)
     head = logits.clone().requires_grad_() * 1
     losses = SoftmaxCrossEntropyLoss.apply(head, labels.clamp(max=3000), 0.1, padding_idx, True, True)
-    assert _reaches(losses.grad_fn, "SoftmaxCrossEntropy")
-
-
-def _reaches(node, name, depth=6):
-    if node is None or depth == 0:
-        return False
-    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+    assert graph_reaches(losses.grad_fn, "SoftmaxCrossEntropy", depth=6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

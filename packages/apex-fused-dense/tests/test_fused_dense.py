@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex.core import loader
+from apex.core.testing import graph_reaches
 from apex.fused_dense import (
     FusedDense,
     FusedDenseGeluDense,
@@ -451,12 +452,6 @@ def test_second_gpu():
         assert_close_to_float64(g, e, torch.bfloat16)
 
 
-def _reaches(node, name, depth=8):
-    if node is None or depth == 0:
-        return False
-    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype):
     """The default CPU path (torch's F.linear / F.gelu and autograd, no op in the graph) against
@@ -476,7 +471,7 @@ def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype):
             monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", default)
             leaves = [t.clone().requires_grad_() for t in inputs]
             out = function(*leaves)
-            assert _reaches(out.grad_fn, node) != default, (function.__name__, out.grad_fn)
+            assert graph_reaches(out.grad_fn, node) != default, (function.__name__, out.grad_fn)
             dy = randn(tuple(out.shape), dtype, "cpu", seed=6)
             results[default] = [out, *torch.autograd.grad(out, leaves, dy)]
         monkeypatch.setattr(fused_dense_module, "_TORCH_OFF_CUDA", True)

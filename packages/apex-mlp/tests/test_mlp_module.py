@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from apex.core.testing import graph_reaches
 from apex.mlp import MLP, MlpFunction, mlp_function
 from apex.mlp import mlp as mlp_module
 
@@ -143,12 +144,6 @@ def test_repr_and_input_errors():
         MLP([3])
 
 
-def _reaches(node, name, depth=8):
-    if node is None or depth == 0:
-        return False
-    return name in node.name() or any(_reaches(n, name, depth - 1) for n, _ in node.next_functions)
-
-
 @pytest.mark.parametrize("activation", list(ACTIVATION_MODULES))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -165,7 +160,7 @@ def test_off_cuda_the_mlp_is_torchs(monkeypatch, activation, bias, dtype):
         monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", default)
         xg = x.clone().requires_grad_()
         y = mlp(xg)
-        assert _reaches(y.grad_fn, "Mlp") != default, y.grad_fn
+        assert graph_reaches(y.grad_fn, "Mlp") != default, y.grad_fn
         results[default] = (y, *torch.autograd.grad(y, (xg, *params), dy))
     monkeypatch.setattr(mlp_module, "_TORCH_OFF_CUDA", True)
     reference = sequential_like(mlp.to(torch.float64), activation)

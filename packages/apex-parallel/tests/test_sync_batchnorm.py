@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from apex.core.testing import run_ranks
+from apex.core.testing import graph_reaches, run_ranks
 from apex.parallel import (
     SyncBatchNorm,
     convert_syncbn_model,
@@ -421,9 +421,9 @@ def test_one_process_off_cuda_is_torchs_batch_norm(layout, dtype, with_z, monkey
     xs, zs = (as_layout(t).requires_grad_() for t in (x, z))
     out = ours(xs, zs) if with_z else ours(xs)
     if with_z and dtype != torch.float32:
-        assert not _reaches_native(out.grad_fn), out.grad_fn
+        assert not graph_reaches(out.grad_fn, "NativeBatchNorm", depth=6), out.grad_fn
         return
-    assert _reaches_native(out.grad_fn), out.grad_fn
+    assert graph_reaches(out.grad_fn, "NativeBatchNorm", depth=6), out.grad_fn
     out.backward(as_layout(dy))
     xt, zt = (t.detach().clone().requires_grad_() for t in (x, z))
     want = torch.relu(theirs(xt) + zt) if with_z else torch.relu(theirs(xt))
@@ -438,15 +438,6 @@ def test_one_process_off_cuda_is_torchs_batch_norm(layout, dtype, with_z, monkey
     for name in ("running_mean", "running_var"):
         close(getattr(ours, name), getattr(theirs, name), torch.float32, name)
     assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 1
-
-
-def _reaches_native(node, depth=6):
-    """Whether torch's batch norm backward is among the first nodes of the graph behind ``node``."""
-    if node is None or depth == 0:
-        return False
-    if "NativeBatchNorm" in node.name():
-        return True
-    return any(_reaches_native(n, depth - 1) for n, _ in node.next_functions)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -43,6 +43,14 @@ class RankTimeout(AssertionError):
     """Ranks did not finish within the timeout (a hang, or a rank waiting for a dead peer)."""
 
 
+def graph_reaches(node, name: str, depth: int = 8) -> bool:
+    """Whether an autograd node whose name contains ``name`` is among the first ``depth`` levels of the
+    graph behind ``node`` (a ``grad_fn``): which path a module took, e.g. torch's batch norm or our op."""
+    if node is None or depth == 0:
+        return False
+    return name in node.name() or any(graph_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
 def _load(path: str):
     name = "_apex_rank_module_" + Path(path).stem
     if name in sys.modules:
