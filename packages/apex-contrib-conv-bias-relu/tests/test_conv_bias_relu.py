@@ -4,6 +4,7 @@ random and odd geometry, both memory formats, autocast, bad input, opcheck, torc
 
 from __future__ import annotations
 
+import importlib
 import math
 import random
 
@@ -46,6 +47,18 @@ def _tolerance(dtype: torch.dtype) -> float:
     (products summed in float32 or wider: for 16-bit dtypes under an epsilon, measured at most 1.3 epsilon
     here; in float32 a few epsilon over these sums of up to a few thousand products, measured 3.8)."""
     return 3 * torch.finfo(dtype).eps if dtype != torch.float32 else 16 * torch.finfo(dtype).eps
+
+
+FUNCTIONS = importlib.import_module("apex.contrib.conv_bias_relu.conv_bias_relu")
+
+
+@pytest.fixture(autouse=True, params=["ops", "composed"])
+def path(request, monkeypatch):
+    """Every test runs both ways the public functions can go: through the ops (their references, which
+    also run on CUDA), and composed from the same PyTorch ops under PyTorch's autograd (the default while
+    the ops have no kernel of their own; see ``_COMPOSE``)."""
+    monkeypatch.setattr(FUNCTIONS, "_COMPOSE", request.param == "composed")
+    return request.param
 
 
 @pytest.fixture(autouse=True)
@@ -143,14 +156,22 @@ def test_matches_float64(device, dtype, variant, geometry, memory_format):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_keeps_the_memory_format_of_x_and_weight(device, variant):
+def test_keeps_the_memory_format_of_x_and_weight(device, variant, path):
+    # The output and x's gradient take x's memory format; weight's gradient takes weight's through the
+    # ops, and composed whatever PyTorch's convolution gives it (as for nn.Conv2d).
     for x_format, w_format in [(torch.channels_last, torch.contiguous_format), (torch.contiguous_format,) * 2]:
         case = Case(variant, (2, 6, 5, 9, 8, 3, 1, 1), torch.float32, device, x_format)
         case.weight = case.weight.contiguous(memory_format=w_format)
         out, (grad_x, grad_w, *_) = case.run()
         assert out.is_contiguous(memory_format=x_format)
         assert grad_x.is_contiguous(memory_format=x_format)
-        assert grad_w.is_contiguous(memory_format=w_format)
+        if path == "composed":
+            weight = case.weight.clone().requires_grad_()
+            plain = F.conv2d(case.x, weight, None, case.stride, case.padding)
+            (plain_w,) = torch.autograd.grad(plain, weight, torch.ones_like(plain))
+            assert grad_w.stride() == plain_w.stride()
+        else:
+            assert grad_w.is_contiguous(memory_format=w_format)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -215,12 +236,22 @@ def test_autocast_casts_to_the_autocast_dtype(device, variant):
         assert_close_to_float64(got, want, dtype)
 
 
-def test_second_derivative_raises(device):
+def test_second_derivative(device, path):
+    # The ops' backward is not differentiable (a clear error); composed, PyTorch's autograd gives it.
     case = Case("relu", GEOMETRIES[0], torch.float32, device)
     x, weight, bias, padding, stride = case.inputs()
     out = ConvBiasReLU(x, weight, bias, padding, stride)
-    with pytest.raises(RuntimeError, match="second derivative is not supported"):
-        torch.autograd.grad(out, x, case.grad_out.requires_grad_(), create_graph=True)
+    grad_out = case.grad_out.requires_grad_()
+    if path == "ops":
+        with pytest.raises(RuntimeError, match="second derivative is not supported"):
+            torch.autograd.grad(out, x, grad_out, create_graph=True)
+        return
+    (grad_x,) = torch.autograd.grad(out, x, grad_out, create_graph=True)
+    (second,) = torch.autograd.grad(grad_x.square().sum(), grad_out)
+    plain = F.relu(F.conv2d(x, weight, bias.reshape(-1), stride, padding))
+    (plain_x,) = torch.autograd.grad(plain, x, grad_out, create_graph=True)
+    (expected,) = torch.autograd.grad(plain_x.square().sum(), grad_out)
+    torch.testing.assert_close(second, expected)
 
 
 # bad input ---------------------------------------------------------------------------------------
@@ -338,9 +369,12 @@ def test_torch_compile_fullgraph(device, variant):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_legacy_module_matches_the_functions(device, dtype):
+def test_legacy_module_matches_the_functions(device, dtype, path):
+    # The legacy module calls the ops: bit for bit the functions' results through the ops; composed, the
+    # same math summed in another order (the bias gradient: the convolution's own against the op's sum).
     c = Case("relu", GEOMETRIES[1], dtype, device, torch.channels_last)
     p, s = c.padding, c.stride
+    exact = {"rtol": 0, "atol": 0} if path == "ops" else {}
 
     def function_grads(function, *args):
         x, w = c.x.clone().requires_grad_(), c.weight.clone().requires_grad_()
@@ -351,7 +385,7 @@ def test_legacy_module_matches_the_functions(device, dtype):
 
     def same(got, expected):
         assert got.dtype == expected.dtype
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(got, expected, **exact)
 
     out, grads = function_grads(ConvBiasReLU, c.bias)
     (legacy_out,) = fused_conv_bias_relu.forward([c.x, c.weight, c.bias], p, s)

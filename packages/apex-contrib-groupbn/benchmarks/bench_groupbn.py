@@ -73,8 +73,17 @@ def measure(n, c, hw, dtype, samples):
     runs = {"ours": step(ours), "eager": step(torch_bn), "compiled": step(compiled)}
     x, z, dy = data[0]
     expected = runs["eager"](x, z, dy)
+    # Where bn(x) + z is within rounding of 0 the two sides may disagree on the ReLU's mask, which moves
+    # dz and dx there by up to |dy| (a few elements in 10^5 at these sizes): those are left out of the
+    # elementwise check; everything else, and the parameter gradients, must agree.
+    with torch.no_grad():
+        pre = torch_bn.bn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float() + z.float()
+        clear = pre.abs() > 1e-2
     for got, want in zip(runs["ours"](x, z, dy), expected):
-        torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+        got, want = got.float(), want.float()
+        if got.shape == clear.shape:
+            got, want = got[clear], want[clear]
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
     ms = {name: time_ms([lambda d=d, f=fn: f(*d) for d in data], samples) for name, fn in runs.items()}
     gbps = gb_per_s(6 * one, ms["ours"])
     cells = [f"{ms['ours']:.3f}", f"{ms['eager']:.3f}", f"{ms['compiled']:.3f}"]

@@ -174,7 +174,8 @@ def op_calls(shapes) -> dict:
 
 
 def time_ops(shapes, samples) -> dict:
-    import apex.contrib.optimizers  # noqa: F401  (registers the ops)
+    # The distributed ops register with their module (not with apex.contrib.optimizers alone).
+    from apex.contrib.optimizers import _distributed_adam_ops  # noqa: F401
 
     result = {}
     for name, call in op_calls(shapes).items():  # one op's data at a time
@@ -187,7 +188,9 @@ def reference_ops_ms(samples) -> dict:
     """time_ops in a child process whose ops run their PyTorch references on CUDA."""
     env = {**os.environ, "APEX_OPS": "reference"}
     command = [sys.executable, __file__, OPS_JSON_FLAG, "--samples", str(samples)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the reference timing child failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

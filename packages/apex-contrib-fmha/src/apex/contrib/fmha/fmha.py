@@ -36,15 +36,17 @@ class FMHAFun:
     head_dim 64 and max_s up to 512 on sm80/sm90. Here any of the dtypes above, any head_dim, any
     ``max_s`` and any device: on CUDA, ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention on
     the packed rows; sm80+, float16/bfloat16, head_dim a multiple of 8 up to 256, no active dropout,
-    torch 2.10+) or else ``scaled_dot_product_attention`` on jagged nested tensors (flash with
-    dropout, memory-efficient without); a padded batched reference in float32 elsewhere, for
+    torch 2.10+), torch's FlashAttention varlen kernels with dropout for the same inputs, or else
+    ``scaled_dot_product_attention`` on jagged nested tensors (memory-efficient, without dropout);
+    a padded batched reference in float32 elsewhere, for
     dropout flash cannot take (torch's memory-efficient kernel reuses one dropout mask for all
     heads and sequences of jagged inputs), and under ``torch.compile`` except the varlen case. This
     is not an ``autograd.Function`` subclass: ``apply`` composes torch ops, whose own backward
     kernels give the gradient and which ``torch.compile`` traces. Dropout draws from torch's
     generator of ``qkv``'s device, so ``torch.manual_seed`` reproduces it on a given path and
     device (the patterns of the paths differ). Reading ``cu_seqlens`` to check it costs one small
-    device-to-host copy per call (skipped while ``torch.compile`` traces).
+    device-to-host copy the first time a ``cu_seqlens`` tensor is passed (again after it is written
+    in place; never while ``torch.compile`` traces): the other layers of a step pay nothing.
     """
 
     @staticmethod
