@@ -126,7 +126,8 @@ class GroupBatchNormFunction(torch.autograd.Function):
 def train(x, z, weight, bias, running_mean, running_var, momentum, eps, fuse_relu, group, world):
     """``(y, mean, invstd)`` of a training step on the contiguous channels-last ``x``, differentiable in
     ``x``, ``z``, ``weight`` and ``bias`` (``mean``/``invstd`` as :func:`forward_train`'s, not
-    differentiable): :class:`GroupBatchNormFunction`, or for the local batch off CUDA torch's own batch
+    differentiable): :class:`GroupBatchNormFunction`; at one process SyncBatchNorm's one-op path
+    (``sync_batchnorm.batch_norm_train_local``); or for the local batch off CUDA torch's own batch
     norm (``torch.native_batch_norm``; the ops' references there are Python, 19x slower at
     16x56x56x64), where SyncBatchNorm takes it (``sync_batchnorm._torch_takes``)."""
     channels = x.shape[-1]
@@ -142,6 +143,12 @@ def train(x, z, weight, bias, running_mean, running_var, momentum, eps, fuse_rel
             y = torch.relu(y)
         stat = torch.float64 if x.dtype == torch.float64 else torch.float32
         return y, mean.detach().to(stat), invstd.detach().to(stat)
+    if world == 1 and local > 1 and sync_batchnorm._MASKED_IN_REDUCE:
+        # One process: SyncBatchNorm's one-op path (batch_norm_train, a C++ autograd on CUDA), the same
+        # kernels in the same order as GroupBatchNormFunction at world 1 with less host time a step.
+        return sync_batchnorm.batch_norm_train_local(
+            x, z, weight, bias, running_mean, running_var, float(eps), float(momentum), True, bool(fuse_relu), True
+        )
     return GroupBatchNormFunction.apply(
         x, z, weight, bias, running_mean, running_var, momentum, eps, fuse_relu, group, world
     )

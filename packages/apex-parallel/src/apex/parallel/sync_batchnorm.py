@@ -218,11 +218,14 @@ def _train_backward(ctx, grad_output):
 torch.library.register_autograd(_ops.batch_norm_train, _train_backward, setup_context=_train_setup_context)
 
 
-def batch_norm_train_local(input, z, weight, bias, running_mean, running_var, eps, momentum, c_last, relu):
+def batch_norm_train_local(
+    input, z, weight, bias, running_mean, running_var, eps, momentum, c_last, relu, with_stats=False
+):
     """:func:`sync_batch_norm_forward`'s output at world 1 (the same ops in the same order), as
     :class:`SyncBatchNormFunction` at world 1 differentiates it, through one differentiable op:
     the statistics (and the running statistics' update) outside autograd, then
-    ``batch_norm_train``. The arguments are :func:`sync_batch_norm_forward`'s."""
+    ``batch_norm_train``. The arguments are :func:`sync_batch_norm_forward`'s; ``with_stats``
+    returns ``(y, mean, invstd)``, the batch statistics (not differentiable) too."""
     data = input.detach()  # the statistics are constants to autograd: the op's backward covers them
     mean, var = (_ops.welford_mean_var_c_last if c_last else _ops.welford_mean_var)(data)
     channels = input.shape[-1] if c_last else input.shape[1]
@@ -230,7 +233,8 @@ def batch_norm_train_local(input, z, weight, bias, running_mean, running_var, ep
     mean, invstd = _ops.welford_parallel(
         mean.unsqueeze(0), var.unsqueeze(0), count, eps, running_mean, running_var, momentum
     )
-    return _ops.batch_norm_train(input, z, weight, bias, mean, invstd, count, c_last, relu)
+    y = _ops.batch_norm_train(input, z, weight, bias, mean, invstd, count, c_last, relu)
+    return (y, mean, invstd) if with_stats else y
 
 
 class SyncBatchNorm(_BatchNorm):
