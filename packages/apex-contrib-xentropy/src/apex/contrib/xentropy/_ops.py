@@ -249,7 +249,11 @@ def _backward(ctx, grad_losses, _grad_lse):
         grad_losses = grad_losses.contiguous()
         if grad_losses.dtype not in (torch.float32, logits.dtype):
             grad_losses = grad_losses.float()
-        if ctx.inplace_backward:
+        # In place only in eager mode. Traced (torch.compile: fake or functional tensors), the mutation of
+        # the saved logits is functionalized, and Inductor on CUDA (torch 2.11, H100) gave a gradient 22%
+        # wrong where the logits were a row-strided view of its padded matmul (test_torch_compile_fullgraph
+        # [cuda-True]); the out-of-place op gives the same values, and the compiler plans the memory.
+        if ctx.inplace_backward and type(logits) is torch.Tensor:
             softmax_cross_entropy_backward_(grad_losses, logits, lse, labels, ctx.smoothing, ctx.padding_idx)
             # A CUDA kernel's write is invisible to autograd: mark it, so that any later use of
             # the saved logits (a second backward, another node that saved them) raises.
