@@ -75,15 +75,18 @@ def measure(n, c, hw, dtype, samples):
     expected = runs["eager"](x, z, dy)
     # Where bn(x) + z is within rounding of 0 the two sides may disagree on the ReLU's mask, which moves
     # dz and dx there by up to |dy| (a few elements in 10^5 at these sizes): those are left out of the
-    # elementwise check; everything else, and the parameter gradients, must agree.
+    # elementwise check. The parameter gradients sum dy over those elements too (256x64x112x112 fp16 on
+    # an H100: dbias off by up to 38 where it reaches thousands): they are compared against their
+    # largest element.
     with torch.no_grad():
         pre = torch_bn.bn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1).float() + z.float()
         clear = pre.abs() > 1e-2
     for got, want in zip(runs["ours"](x, z, dy), expected):
         got, want = got.float(), want.float()
         if got.shape == clear.shape:
-            got, want = got[clear], want[clear]
-        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+            torch.testing.assert_close(got[clear], want[clear], rtol=5e-2, atol=5e-2)
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=5e-2 * want.abs().max().item())
     ms = {name: time_ms([lambda d=d, f=fn: f(*d) for d in data], samples) for name, fn in runs.items()}
     gbps = gb_per_s(6 * one, ms["ours"])
     cells = [f"{ms['ours']:.3f}", f"{ms['eager']:.3f}", f"{ms['compiled']:.3f}"]
