@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from apex.contrib.bottleneck import Bottleneck, FrozenBatchNorm2d
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, require_cuda, time_ms, verdict
+from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
 
 # ResNet-50 bottlenecks (stride on the first 1x1, as upstream): (name, in, bottleneck, out, H=W, stride)
 SHAPES = [
@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             for shape in SHAPES:
                 row, v = measure(shape, batch, dtype, args.samples, peak)
                 rows.append(row)
+                progress(row)
                 verdicts.append(v)
     return finish("bench_bottleneck", HEADER, rows, verdicts, out=args.out, notes=notes)
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from apex.contrib.conv_bias_relu import ConvBiasReLU
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, require_cuda, time_ms, verdict
+from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
 
 # ResNet-50 (torchvision v1.5: the stride in the 3x3): (name, C, K, H=W, kernel, stride, padding)
 SHAPES = [
@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
             for shape in SHAPES:
                 shape_rows, shape_verdicts = measure(shape, batch, dtype, args.samples, peak)
                 rows += shape_rows
+                for row in shape_rows:
+                    progress(row)
                 verdicts += shape_verdicts
     return finish("bench_conv_bias_relu", HEADER, rows, verdicts, out=args.out, notes=notes)
 

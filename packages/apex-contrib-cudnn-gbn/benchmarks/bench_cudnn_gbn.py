@@ -26,6 +26,7 @@ from apex.core.benchmarking import (
     copy_bandwidth_gbps,
     finish,
     gb_per_s,
+    progress,
     require_cuda,
     require_kernels,
     time_ms,
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells, gbps, ratio = measure(n, c, hw, dtype, args.samples)
                 case = [str(n), str(c), f"{hw}x{hw}", str(dtype).removeprefix("torch.")]
                 rows.append([*case, *cells, f"{100 * gbps / copy_gbps:.0f}%"])
+                progress(rows[-1])
                 verdicts.append(verdict(f"{' '.join(case)}: eager torch / ours", ratio, EAGER_BAR))
                 torch.cuda.empty_cache()
     return finish("bench_cudnn_gbn", HEADER, rows, verdicts, out=args.out, copy_gbps=copy_gbps)

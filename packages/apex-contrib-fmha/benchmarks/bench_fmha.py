@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from apex.contrib.fmha import FMHAFun, _attention
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, require_cuda, time_ms, verdict
+from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
 
 SHAPES = [(64, 128), (64, 256), (32, 384), (32, 512)]  # (batch, max_s)
 DTYPES = [torch.float16, torch.bfloat16]
@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells, ratio = measure(batch, max_s, dtype, mode, args.samples, not args.no_compile)
                 case = [f"{batch}x{max_s}", str(dtype).removeprefix("torch."), mode]
                 rows.append([*case, *cells])
+                progress(rows[-1])
                 verdicts.append(verdict(f"{' '.join(case)}: padded eager SDPA time / ours", ratio, BAR))
     notes = [f"heads {HEADS}, head_dim {HEAD_DIM}, lengths uniform in [max_s/4, max_s], train dropout {DROPOUT}"]
     return finish("bench_fmha", HEADER, rows, verdicts, out=args.out, notes=notes)

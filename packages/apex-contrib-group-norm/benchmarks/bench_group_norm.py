@@ -28,6 +28,7 @@ from apex.core.benchmarking import (
     copy_bandwidth_gbps,
     finish,
     gb_per_s,
+    progress,
     require_cuda,
     require_kernels,
     time_ms,
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{100 * gbps / copy_gbps:.0f}%",
                     ]
                 )
+                progress(rows[-1])
                 if name == "forward+backward":
                     label = " ".join(case)
                     verdicts.append(verdict(f"{label} fwd+bwd: compiled torch / ours", compiled / ours, COMPILED_BAR))

@@ -21,7 +21,7 @@ import sys
 import torch
 
 from apex.contrib.multihead_attn import SelfMultiheadAttn
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, require_cuda, time_ms, verdict
+from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
 
 EMBED, HEADS, DROPOUT = 1024, 16, 0.1
 SHAPES = [(128, 32), (256, 16), (512, 16), (1024, 8)]  # (T, B)
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells, ratio = measure(length, batch, dtype, mask_kind, args.samples, peak, not args.no_compile)
                 case = [f"{length}x{batch}", str(dtype).removeprefix("torch."), mask_kind]
                 rows.append([*case, *cells])
+                progress(rows[-1])
                 verdicts.append(verdict(f"{' '.join(case)}: torch eager time / ours", ratio, EAGER_RATIO_BAR))
     notes = [f"embed {EMBED}, {HEADS} heads, dropout {DROPOUT}, training; forward + backward of input and parameters"]
     return finish("bench_multihead_attn", HEADER, rows, verdicts, out=args.out, notes=notes)

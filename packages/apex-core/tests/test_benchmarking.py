@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from apex.core.benchmarking import bench_arguments, environment, finish, markdown_table, report, verdict
+from apex.core.benchmarking import bench_arguments, environment, finish, markdown_table, progress, report, verdict
 
 
 def test_verdict_passes_at_and_above_the_bar_only():
@@ -18,6 +18,12 @@ def test_verdict_passes_at_and_above_the_bar_only():
 def test_markdown_table_has_a_separator_and_one_line_per_row():
     lines = markdown_table(["a", "b"], [["1", "2"], ["3", "4"]])
     assert lines == ["| a | b |", "|---|---|", "| 1 | 2 |", "| 3 | 4 |"]
+
+
+def test_progress_prints_the_row_to_stderr_at_once(capsys):
+    progress(["a", "1.5x"])
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", "| a | 1.5x |\n")
 
 
 def test_report_on_the_cpu_names_the_cpu_and_writes_the_file(tmp_path, capsys):

@@ -112,6 +112,12 @@ def verdict(name: str, value: float, bar: float) -> str:
     return f"{'PASS' if value >= bar else 'FAIL'}: {name} (measured {value:.2f}, bar {bar:.2f})"
 
 
+def progress(row: Sequence[str]) -> None:
+    """Print one measured row to stderr at once (the report comes at the end): a run cut short by a
+    time limit still shows what it measured."""
+    print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
@@ -204,6 +210,7 @@ __all__ = [
     "gb_per_s",
     "markdown_table",
     "nbytes",
+    "progress",
     "report",
     "require_cuda",
     "require_kernels",
