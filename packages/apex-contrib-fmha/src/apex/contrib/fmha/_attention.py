@@ -8,9 +8,11 @@ ones scaled by ``1 / (1 - p_dropout)``), times ``v``. The output is ``[total_tok
 
 Paths (``plan``), all differentiable by autograd through public torch ops:
 
-- ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention over the packed rows, no
-  padding), on CUDA sm80+ for float16/bfloat16, head_dim a multiple of 8 up to 256, and no active
-  dropout (it has no dropout argument). Only where torch has it (2.10+).
+- ``"varlen"``: FlashAttention over the packed rows (no padding), on CUDA sm80+ for
+  float16/bfloat16, head_dim a multiple of 8 up to 256, and no active dropout: under
+  ``torch.compile`` ``torch.nn.attention.varlen.varlen_attn`` (a custom op; it has no dropout
+  argument), in eager mode the same kernels as ``"flash"`` without the custom op's host time. Only
+  where torch has ``varlen_attn`` (2.10+).
 - ``"flash"``: dropout where FlashAttention takes the inputs (as for ``"varlen"``): torch's own
   FlashAttention varlen forward and backward (``aten::_flash_attention_forward`` / ``_backward``,
   what ``varlen_attn`` and SDPA call) over the packed rows with ``cu_seqlens``, in an
@@ -169,15 +171,31 @@ def attention(qkv, cu_seqlens, p_dropout, max_s, is_training, zero_tensors, *, n
             raise ValueError(f"{name}: the varlen path has no dropout; p_dropout={p_dropout} with is_training")
         # FlashAttention takes any row strides but needs each head's features contiguous.
         q, k, v = (packed if packed.stride(-1) == 1 else packed.contiguous()).unbind(1)
-        out = _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_s, max_s)
+        if _compiling():  # a custom op with a fake: one graph
+            out = _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_s, max_s)
+        else:  # the same kernels without the custom op's layers (host time: see _flash)
+            out = _flash(q, k, v, cu_seqlens, max_s, 0.0)
     elif path == "flash":
         q, k, v = (packed if packed.stride(-1) == 1 else packed.contiguous()).unbind(1)
-        out = _FlashVarlen.apply(q, k, v, cu_seqlens, max_s, dropout_p)
+        out = _flash(q, k, v, cu_seqlens, max_s, dropout_p)
     else:
         out = _nested_attention(packed, cu_seqlens, max_s, dropout_p)
     if used < total:
         out = torch.cat([out, out.new_zeros((total - used, *out.shape[1:]))])
     return out
+
+
+def _flash(q, k, v, cu_seqlens, max_s, dropout_p):
+    """FlashAttention varlen on packed ``q, k, v``: through :class:`_FlashVarlen` where a gradient is
+    to be recorded, else torch's forward op alone. In eager mode both ``"varlen"`` and ``"flash"`` come
+    here: ``varlen_attn`` runs the same forward and backward ops behind a Python custom op, whose
+    layers cost host time that showed at small shapes (H100, 2026-12-05: inference at 64x128 took
+    0.056-0.073 ms a call against 0.042-0.052 for padded SDPA; the kernels take less)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashVarlen.apply(q, k, v, cu_seqlens, max_s, dropout_p)
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens, cu_seqlens, max_s, max_s, dropout_p, False, False
+    )[0]
 
 
 class _FlashVarlen(torch.autograd.Function):
