@@ -20,7 +20,16 @@ import torch
 from torch import nn
 
 from apex.contrib.bottleneck import Bottleneck, FrozenBatchNorm2d
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
+from apex.core.benchmarking import (
+    bench_arguments,
+    compare_ms,
+    copies_for_l2,
+    finish,
+    progress,
+    require_cuda,
+    time_ms,
+    verdict,
+)
 
 # ResNet-50 bottlenecks (stride on the first 1x1, as upstream): (name, in, bottleneck, out, H=W, stride)
 SHAPES = [
@@ -104,9 +113,10 @@ def measure(shape, batch: int, dtype: torch.dtype, samples: int, peak: float):
             x = x.detach().requires_grad_()
             torch.autograd.grad(module(x), [x, *params], grad)
 
-        return time_ms([lambda x=x: run(x) for x in xs], samples)
+        return [lambda x=x: run(x) for x in xs]
 
-    ours_ms, eager_ms, compiled_ms = timed(ours), timed(plain), timed(compiled)
+    ms = compare_ms({"ours": timed(ours), "eager": timed(plain), "compiled": timed(compiled)}, samples)
+    ours_ms, eager_ms, compiled_ms = ms["ours"], ms["eager"], ms["compiled"]
     macs = batch * out_size * out_size * (cin * mid + mid * mid * 9 + mid * cout)
     if plain.downsample is not None:
         macs += batch * out_size * out_size * cin * cout

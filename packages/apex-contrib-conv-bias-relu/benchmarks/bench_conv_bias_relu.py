@@ -21,7 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from apex.contrib.conv_bias_relu import ConvBiasReLU
-from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
+from apex.core.benchmarking import (
+    bench_arguments,
+    compare_ms,
+    copies_for_l2,
+    finish,
+    progress,
+    require_cuda,
+    time_ms,
+    verdict,
+)
 
 # ResNet-50 (torchvision v1.5: the stride in the 3x3): (name, C, K, H=W, kernel, stride, padding)
 SHAPES = [
@@ -91,18 +100,19 @@ def measure(shape, batch: int, dtype: torch.dtype, samples: int, peak: float) ->
             with torch.no_grad():
                 fn(x)
 
-        return time_ms([lambda x=x: run(x) for x in xs], samples)
+        return [lambda x=x: run(x) for x in xs]
 
     def forward_backward(fn):
         def run(x):
             torch.autograd.grad(fn(x), [x, conv.weight, conv.bias], grad)
 
-        return time_ms([lambda x=x: run(x) for x in xs], samples)
+        return [lambda x=x: run(x) for x in xs]
 
     macs = batch * k * out_size * out_size * c * kernel * kernel
     rows, verdicts = [], []
     for label, timer, flops in (("fwd", forward, 2 * macs), ("fwd+bwd", forward_backward, 6 * macs)):
-        ours_ms, eager_ms, compiled_ms = timer(ours), timer(eager), timer(compiled)
+        ms = compare_ms({"ours": timer(ours), "eager": timer(eager), "compiled": timer(compiled)}, samples)
+        ours_ms, eager_ms, compiled_ms = ms["ours"], ms["eager"], ms["compiled"]
         tflops = flops / (ours_ms * 1e-3) / 1e12
         case = [name, str(batch), str(dtype).removeprefix("torch."), label]
         rows.append(

@@ -22,6 +22,7 @@ from torch import nn
 from apex.contrib.cudnn_gbn import GroupBatchNorm2d
 from apex.core.benchmarking import (
     bench_arguments,
+    compare_ms,
     copies_for_l2,
     copy_bandwidth_gbps,
     finish,
@@ -29,7 +30,6 @@ from apex.core.benchmarking import (
     progress,
     require_cuda,
     require_kernels,
-    time_ms,
     verdict,
 )
 
@@ -70,7 +70,7 @@ def measure(n, c, hw, dtype, samples):
     expected = runs["eager"](x, dy)
     for got, want in zip(runs["ours"](x, dy), expected):
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
-    ms = {name: time_ms([lambda d=d, f=fn: f(*d) for d in data], samples) for name, fn in runs.items()}
+    ms = compare_ms({name: [lambda d=d, f=fn: f(*d) for d in data] for name, fn in runs.items()}, samples)
     gbps = gb_per_s(4 * one, ms["ours"])
     cells = [f"{ms['ours']:.3f}", f"{ms['eager']:.3f}", f"{ms['compiled']:.3f}"]
     cells += [f"{ms['eager'] / ms['ours']:.2f}x", f"{ms['compiled'] / ms['ours']:.2f}x", f"{gbps:.0f}"]

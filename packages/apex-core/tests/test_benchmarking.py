@@ -7,7 +7,16 @@ import os
 import pytest
 import torch
 
-from apex.core.benchmarking import bench_arguments, environment, finish, markdown_table, progress, report, verdict
+from apex.core.benchmarking import (
+    bench_arguments,
+    compare_ms,
+    environment,
+    finish,
+    markdown_table,
+    progress,
+    report,
+    verdict,
+)
 
 
 def test_verdict_passes_at_and_above_the_bar_only():
@@ -18,6 +27,26 @@ def test_verdict_passes_at_and_above_the_bar_only():
 def test_markdown_table_has_a_separator_and_one_line_per_row():
     lines = markdown_table(["a", "b"], [["1", "2"], ["3", "4"]])
     assert lines == ["| a | b |", "|---|---|", "| 1 | 2 |", "| 3 | 4 |"]
+
+
+def test_compare_ms_takes_one_sample_of_each_variant_a_round_in_rotating_order():
+    warmed, order = [], []
+    variants = {
+        name: [lambda name=name: warmed.append(name)] * copies for name, copies in (("a", 1), ("b", 2), ("c", 5))
+    }
+    per_call = {"a": [1.0, 5.0, 2.0, 9.0], "b": [3.0, 3.5, 4.0, 0.5], "c": [7.0, 7.0, 8.0, 7.5]}
+
+    def sample(calls, rounds):
+        name = next(k for k, v in variants.items() if v is calls)
+        order.append((name, rounds))
+        return per_call[name][sum(1 for n, _ in order if n == name) - 1]
+
+    medians = compare_ms(variants, samples=4, min_calls=10, warmup=1, sample=sample)
+    assert warmed == ["a", "b", "b", "c", "c", "c", "c", "c"]  # every call once before any sample
+    names = [n for n, _ in order]
+    assert names == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert dict(order) == {"a": 10, "b": 5, "c": 2}  # rounds: at least min_calls calls a sample
+    assert medians == {"a": 3.5, "b": 3.25, "c": 7.25}
 
 
 def test_progress_prints_the_row_to_stderr_at_once(capsys):

@@ -25,6 +25,7 @@ from torch import nn
 
 from apex.core.benchmarking import (
     bench_arguments,
+    compare_ms,
     finish,
     require_cuda,
     require_kernels,
@@ -82,12 +83,11 @@ def layer_rows(tokens, hidden, samples, matmul, with_compiled):
         eager[2].weight.copy_(ours.weight2), eager[2].bias.copy_(ours.bias2)
     dy = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
     torch.testing.assert_close(ours(x), eager(x), rtol=5e-2, atol=5e-2)
-    ours_ms = time_ms([forward_backward(ours, x, dy)], samples)
-    eager_ms = time_ms([forward_backward(eager, x, dy)], samples)
-    compiled_ms = float("nan")
+    variants = {"ours": [forward_backward(ours, x, dy)], "eager": [forward_backward(eager, x, dy)]}
     if with_compiled:
-        compiled = torch.compile(eager, fullgraph=True)
-        compiled_ms = time_ms([forward_backward(compiled, x, dy)], samples)
+        variants["compiled"] = [forward_backward(torch.compile(eager, fullgraph=True), x, dy)]
+    ms = compare_ms(variants, samples)
+    ours_ms, eager_ms, compiled_ms = ms["ours"], ms["eager"], ms.get("compiled", float("nan"))
     rate = tflops(6 * 2 * tokens * hidden * 4 * hidden, ours_ms)
     rows.append(row("FusedDenseGeluDense", shape, ours_ms, eager_ms, compiled_ms, rate, matmul))
     verdicts.append(verdict(f"FusedDenseGeluDense {shape}: eager / ours", eager_ms / ours_ms, GELU_EAGER_BAR))
@@ -103,8 +103,8 @@ def layer_rows(tokens, hidden, samples, matmul, with_compiled):
         eager.weight.copy_(ours.weight), eager.bias.copy_(ours.bias)
     dy = torch.randn(tokens, 4 * hidden, device="cuda", dtype=DTYPE)
     torch.testing.assert_close(ours(x), eager(x), rtol=5e-2, atol=5e-2)
-    ours_ms = time_ms([forward_backward(ours, x, dy)], samples)
-    eager_ms = time_ms([forward_backward(eager, x, dy)], samples)
+    ms = compare_ms({"ours": [forward_backward(ours, x, dy)], "eager": [forward_backward(eager, x, dy)]}, samples)
+    ours_ms, eager_ms = ms["ours"], ms["eager"]
     rate = tflops(3 * 2 * tokens * hidden * 4 * hidden, ours_ms)
     rows.append(row("FusedDense", shape, ours_ms, eager_ms, float("nan"), rate, matmul))
     verdicts.append(verdict(f"FusedDense {shape}: eager / ours", eager_ms / ours_ms, DENSE_EAGER_BAR))

@@ -20,6 +20,7 @@ from torch import nn
 
 from apex.core.benchmarking import (
     bench_arguments,
+    compare_ms,
     copies_for_l2,
     finish,
     require_cuda,
@@ -70,15 +71,16 @@ def measure(batch: int, sizes: list[int], dtype, samples: int) -> tuple[list[str
     grad = torch.randn(batch, sizes[-1], device="cuda", dtype=dtype)
     torch.testing.assert_close(mlp(inputs[0]), eager(inputs[0]), rtol=2e-2, atol=2e-2)
 
-    def timed(module):
+    def calls(module):
         params = list(module.parameters())
 
         def step(x):
             torch.autograd.grad(module(x), params, grad)
 
-        return time_ms([lambda x=x: step(x) for x in inputs], samples)
+        return [lambda x=x: step(x) for x in inputs]
 
-    ours, eager_ms, compiled_ms = timed(mlp), timed(eager), timed(compiled)
+    ms = compare_ms({"ours": calls(mlp), "eager": calls(eager), "compiled": calls(compiled)}, samples)
+    ours, eager_ms, compiled_ms = ms["ours"], ms["eager"], ms["compiled"]
     tflops = step_flops(batch, sizes) / (ours * 1e-3) / 1e12
     row = [f"{ours:.3f}", f"{eager_ms:.3f}", f"{compiled_ms:.3f}", f"{eager_ms / ours:.2f}x",
            f"{compiled_ms / ours:.2f}x", f"{tflops:.0f}"]  # fmt: skip

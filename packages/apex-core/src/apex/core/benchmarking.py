@@ -16,7 +16,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -49,25 +49,60 @@ def copies_for_l2(list_bytes: int) -> int:
     return max(1, math.ceil(2 * l2 / max(list_bytes, 1)))
 
 
-def time_ms(calls: Sequence[Callable[[], object]], samples: int, min_calls: int = 10, warmup: int = 2) -> float:
-    """Median per-call GPU time of back-to-back runs through ``calls`` (one per data copy)."""
-    rounds = max(1, math.ceil(min_calls / len(calls)))
+def _warm(calls: Sequence[Callable[[], object]], warmup: int) -> None:
     for _ in range(warmup):  # state creation, caching allocator, lazy init
         for call in calls:
             call()
+
+
+def _sample_ms(calls: Sequence[Callable[[], object]], rounds: int) -> float:
+    """One timed sample: ``rounds`` passes through ``calls`` back to back, ms per call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU work while the host queues the sample
+    start.record()
+    for _ in range(rounds):
+        for call in calls:
+            call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (rounds * len(calls))
+
+
+def time_ms(calls: Sequence[Callable[[], object]], samples: int, min_calls: int = 10, warmup: int = 2) -> float:
+    """Median per-call GPU time of back-to-back runs through ``calls`` (one per data copy)."""
+    rounds = max(1, math.ceil(min_calls / len(calls)))
+    _warm(calls, warmup)
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(samples):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)  # ~0.5 ms of GPU work while the host queues the sample
-        start.record()
-        for _ in range(rounds):
-            for call in calls:
-                call()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / (rounds * len(calls)))
-    return statistics.median(per_call)
+    return statistics.median(_sample_ms(calls, rounds) for _ in range(samples))
+
+
+def compare_ms(
+    variants: Mapping[str, Sequence[Callable[[], object]]],
+    samples: int,
+    min_calls: int = 10,
+    warmup: int = 2,
+    *,
+    sample: Callable[[Sequence[Callable[[], object]], int], float] | None = None,
+) -> dict[str, float]:
+    """:func:`time_ms` of each variant (name -> its calls), sampled in turn: every round takes one
+    sample of each variant, in an order that rotates from round to round, instead of all samples of
+    one variant before the next. A drift over the run (clocks, temperature, the allocator's or L2's
+    state) then falls on every variant alike rather than on whichever was timed first: variants
+    that run the same kernels measured up to 0.26 ms apart, both ways, timed one after another
+    (conv-bias-relu on an H100, 2026-12-05). ``sample`` replaces the timed sample (tests)."""
+    sample = sample or _sample_ms
+    names = list(variants)
+    rounds = {name: max(1, math.ceil(min_calls / len(variants[name]))) for name in names}
+    for name in names:
+        _warm(variants[name], warmup)
+    if sample is _sample_ms:
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(samples):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(sample(variants[name], rounds[name]))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 @contextlib.contextmanager
@@ -203,6 +238,7 @@ def finish(
 
 __all__ = [
     "bench_arguments",
+    "compare_ms",
     "copies_for_l2",
     "copy_bandwidth_gbps",
     "environment",
