@@ -24,7 +24,7 @@ from apex.contrib.fmha import FMHAFun, _attention
 from apex.core.benchmarking import bench_arguments, copies_for_l2, finish, progress, require_cuda, time_ms, verdict
 
 SHAPES = [(64, 128), (64, 256), (32, 384), (32, 512)]  # (batch, max_s)
-DTYPES = [torch.float16, torch.bfloat16]
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MODES = ["infer", "train"]
 HEADS, HEAD_DIM, DROPOUT = 16, 64, 0.1
 BAR = 1.0
@@ -120,13 +120,19 @@ def measure(batch, max_s, dtype, mode, samples, compile_torch):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = bench_arguments("bench_fmha", __doc__, no_compile=True).parse_args(argv)
+    parser = bench_arguments("bench_fmha", __doc__, no_compile=True)
+    parser.add_argument(
+        "--dtype", nargs="+", choices=list(DTYPES), default=["float16", "bfloat16"],
+        help="dtypes (default float16 bfloat16; float32 takes the nested path for inference, the padded one "
+        "for training with dropout)",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     if not require_cuda("bench_fmha"):
         return 1
     torch.manual_seed(0)
     rows, verdicts = [], []
     for batch, max_s in SHAPES:
-        for dtype in DTYPES:
+        for dtype in (DTYPES[name] for name in args.dtype):
             for mode in MODES:
                 cells, ratio = measure(batch, max_s, dtype, mode, args.samples, not args.no_compile)
                 case = [f"{batch}x{max_s}", str(dtype).removeprefix("torch."), mode]
