@@ -2,7 +2,10 @@
 
 Each is differentiable and traceable by ``torch.compile(fullgraph=True)``; the math, the ops and
 what runs where are in ``apex.contrib.conv_bias_relu._ops``. In short: ``aten.convolution`` (cuDNN's
-on CUDA) with the bias, then the ReLU (and the mask) in place; no custom kernel.
+on CUDA) with the bias, then the ReLU (and the mask) in place; no custom kernel. While the ops have
+no kernel of their own, the functions run the ops' checks and then compose those same torch ops under
+torch's autograd rather than calling the ops (``_COMPOSE``, below: host time); the legacy module
+``fused_conv_bias_relu`` calls the ops.
 
 Where we differ from upstream on purpose:
 
