@@ -756,9 +756,16 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         in_place = buffer is not None and buffer.dtype == self.param_sync_dtype
         if in_place:  # straight into the parameters
             gathered = buffer[bucket.index * self.bucket_size : (bucket.index + 1) * self.bucket_size]
+        elif self.distributed_size == 1:  # the shard is the whole bucket: nothing to gather
+            gathered = shard
         else:
             gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
-        work = _all_gather(gathered, shard, group=self.distributed_process_group, async_op=True)
+        if self.distributed_size == 1:  # (an NCCL all-gather of one rank is a device copy)
+            work = None
+            if gathered is not shard:
+                gathered.copy_(shard)
+        else:
+            work = _all_gather(gathered, shard, group=self.distributed_process_group, async_op=True)
         bucket.param_gather = (work, gathered, in_place)
         self._param_gathers_in_flight.append(bucket)
         while len(self._param_gathers_in_flight) > self.pipeline_size and not self.overlap_param_sync:
@@ -767,7 +774,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def _finish_param_gather(self, bucket: _Bucket) -> None:
         work, gathered, in_place = bucket.param_gather
-        work.wait()
+        if work is not None:
+            work.wait()
         bucket.param_gather = None
         self._param_gathers_in_flight.remove(bucket)
         if in_place or not bucket.fragments:
