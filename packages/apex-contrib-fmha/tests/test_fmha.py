@@ -64,10 +64,10 @@ def test_fmhafun_matches_float64(device, dtype, case):
     check_against_reference(device, dtype, case)
 
 
-@pytest.mark.parametrize("path", ["padded", "nested"])
+@pytest.mark.parametrize("path", ["padded", "dense", "nested"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_path_matches_float64(device, dtype, path):
-    # The nested path runs on the CPU too (SDPA's math backend), so both are checked here.
+    # The dense and nested paths run on the CPU too (SDPA), so all three are checked here.
     check_against_reference(device, dtype, CASES[0], path)
     check_against_reference(device, dtype, CASES[3], path)
 
@@ -93,8 +93,8 @@ def test_strided_qkv(device):
 
 def test_plan():
     cpu = torch.empty(4, 3, 2, 64, dtype=torch.float16)
-    assert _attention.plan(cpu, 0.1, True) == "padded"
-    assert _attention.plan(cpu.to("meta"), 0.0, False) == "padded"
+    assert _attention.plan(cpu, 0.1, True) == "dense"
+    assert _attention.plan(cpu.to("meta"), 0.0, False) == "dense"
 
 
 @pytest.mark.gpu
