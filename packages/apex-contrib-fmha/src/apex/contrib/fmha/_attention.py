@@ -272,20 +272,32 @@ def _layout(cu_seqlens, total, max_s):
     return gather, key_valid, scatter
 
 
-def dense_attention(qkv, cu_seqlens, max_s, dropout_p):
-    """The ``"dense"`` path: ``[total, heads, d]`` from one SDPA call over the padded batch (the
-    layout of :func:`padded_attention`, a boolean key-padding mask), computed in float32 for 16-bit
-    ``qkv`` (float64 for float64) and rounded once; rows past ``cu_seqlens[-1]`` are zero."""
+def _padded(qkv, cu_seqlens, max_s):
+    """``(q, k, v, key_valid, unpad)`` of the padded batch: ``q, k, v [batch, heads, max_s, d]`` in
+    float32 for 16-bit ``qkv`` (float64 for float64), ``key_valid [batch, max_s]`` and ``unpad``,
+    which takes a context ``[batch, max_s, heads, d]`` back to the packed ``[total, heads, d]`` rows in
+    ``qkv``'s dtype (rows past ``cu_seqlens[-1]`` zero)."""
     total, _, heads, head_dim = qkv.shape
     compute = _compute_dtype(qkv.dtype)
     gather, key_valid, scatter = _layout(cu_seqlens, total, max_s)
     rows = torch.cat([qkv.to(compute), qkv.new_zeros((1, 3, heads, head_dim), dtype=compute)])
     padded = rows[gather]  # [batch, max_s, 3, heads, d]
     q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, max_s, d]
+
+    def unpad(context):
+        flat = torch.cat([context.reshape(-1, heads, head_dim), context.new_zeros((1, heads, head_dim))])
+        return flat[scatter].to(qkv.dtype)
+
+    return q, k, v, key_valid, unpad
+
+
+def dense_attention(qkv, cu_seqlens, max_s, dropout_p):
+    """The ``"dense"`` path: ``[total, heads, d]`` from one SDPA call over the padded batch (the
+    layout of :func:`padded_attention`, a boolean key-padding mask), computed in float32 for 16-bit
+    ``qkv`` (float64 for float64) and rounded once; rows past ``cu_seqlens[-1]`` are zero."""
+    q, k, v, key_valid, unpad = _padded(qkv, cu_seqlens, max_s)
     context = F.scaled_dot_product_attention(q, k, v, attn_mask=key_valid[:, None, None, :], dropout_p=dropout_p)
-    flat = context.transpose(1, 2).reshape(-1, heads, head_dim)
-    flat = torch.cat([flat, flat.new_zeros((1, heads, head_dim))])
-    return flat[scatter].to(qkv.dtype)
+    return unpad(context.transpose(1, 2))
 
 
 def padded_attention(qkv, cu_seqlens, max_s, dropout_p, keep=None, generator=None):
@@ -293,21 +305,15 @@ def padded_attention(qkv, cu_seqlens, max_s, dropout_p, keep=None, generator=Non
     scores, keep)`` with ``probs`` the softmax before dropout, ``scores`` the scaled, masked
     scores it came from (float32, or float64 for float64 ``qkv``) and ``keep`` the dropout mask
     (bool, True = kept; None without dropout). A given ``keep`` is used instead of drawing one."""
-    total, _, heads, head_dim = qkv.shape
-    compute = _compute_dtype(qkv.dtype)
-    gather, key_valid, scatter = _layout(cu_seqlens, total, max_s)
-    rows = torch.cat([qkv.to(compute), qkv.new_zeros((1, 3, heads, head_dim), dtype=compute)])
-    padded = rows[gather]  # [batch, max_s, 3, heads, d]
-    q, k, v = (padded[:, :, i].transpose(1, 2) for i in range(3))  # [batch, heads, max_s, d]
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    q, k, v, key_valid, unpad = _padded(qkv, cu_seqlens, max_s)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(qkv.shape[-1]))
     scores = scores.masked_fill(~key_valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     dropped = probs
     if keep is None and dropout_p > 0.0:
-        noise = torch.rand(probs.shape, device=probs.device, dtype=compute, generator=generator)
+        noise = torch.rand(probs.shape, device=probs.device, dtype=probs.dtype, generator=generator)
         keep = noise >= dropout_p
     if keep is not None and dropout_p > 0.0:
         dropped = probs * keep * (1.0 / (1.0 - dropout_p))
     context = torch.matmul(dropped, v).transpose(1, 2)  # [batch, max_s, heads, d]
-    flat = torch.cat([context.reshape(-1, heads, head_dim), context.new_zeros((1, heads, head_dim))])
-    return flat[scatter].to(qkv.dtype), probs, scores, keep
+    return unpad(context), probs, scores, keep
