@@ -62,8 +62,8 @@ def _composed(x, weight, bias, padding: int, stride: int, relu: bool, mask=None)
     with _ops._no_autocast(x.device):
         out = F.conv2d(x, weight, bias.reshape(-1), stride, padding)
         out = out.contiguous(memory_format=_ops._memory_format(x))
-        if mask is not None:
-            out = out.mul_(mask)
+        if mask is not None:  # no gradient for the mask, as the ops (and upstream)
+            out = out.mul_(mask.detach())
         return out.relu_() if relu else out
 
 
