@@ -669,7 +669,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, bucket: _Bucket, step: torch.Tensor, found_inf: torch.Tensor | None) -> None:
-        fragments = self._local_fragments(bucket)
         if bucket.grads_shard is None:
             grads = torch.zeros(self.shard_size, dtype=torch.float32, device=self.device)
         else:
@@ -691,7 +690,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         bucket.param_gather = (None, output)
         if bucket.by_group is None:
             bucket.by_group = {}
-            for f in fragments:
+            for f in self._local_fragments(bucket):
                 bucket.by_group.setdefault(f.group_index, []).append(f)
         by_group = bucket.by_group
         noop = None
@@ -756,15 +755,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         in_place = buffer is not None and buffer.dtype == self.param_sync_dtype
         if in_place:  # straight into the parameters
             gathered = buffer[bucket.index * self.bucket_size : (bucket.index + 1) * self.bucket_size]
-        elif self.distributed_size == 1:  # the shard is the whole bucket: nothing to gather
-            gathered = shard
-        else:
-            gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
-        if self.distributed_size == 1:  # (an NCCL all-gather of one rank is a device copy)
+        if self.distributed_size == 1:  # the shard is the whole bucket: nothing to gather
             work = None
-            if gathered is not shard:
-                gathered.copy_(shard)
+            gathered = gathered.copy_(shard) if in_place else shard
         else:
+            if not in_place:
+                gathered = torch.empty(self.bucket_size, dtype=self.param_sync_dtype, device=self.device)
             work = _all_gather(gathered, shard, group=self.distributed_process_group, async_op=True)
         bucket.param_gather = (work, gathered, in_place)
         self._param_gathers_in_flight.append(bucket)
