@@ -56,10 +56,13 @@ def _checked(name: str, x, weight, bias, padding, stride, scale=None, mask=None)
     _ops._check_forward(Args(values))
 
 
-def _composed(x, weight, bias, padding: int, stride: int, relu: bool, mask=None) -> torch.Tensor:
-    """The ops' forward math in differentiable PyTorch ops: the convolution with the bias, then the
-    mask and the ReLU in place on its output, in x's memory format."""
+def _composed(x, weight, bias, padding: int, stride: int, relu: bool, mask=None, scale=None) -> torch.Tensor:
+    """The ops' forward math in differentiable PyTorch ops: the convolution (of the weight folded with a
+    frozen ``scale``, which gets no gradient, where there is one) with the bias, then the mask and the
+    ReLU in place on its output, in x's memory format."""
     with _ops._no_autocast(x.device):
+        if scale is not None:
+            weight = _ops._folded_weight(weight, scale.detach())
         out = F.conv2d(x, weight, bias.reshape(-1), stride, padding)
         out = out.contiguous(memory_format=_ops._memory_format(x))
         if mask is not None:  # no gradient for the mask, as the ops (and upstream)
@@ -129,7 +132,5 @@ def ConvFrozenScaleBiasReLU(x, weight, scale, bias, padding: int, stride: int) -
     x, weight, scale, bias = _autocast(x, weight, scale, bias)
     if _COMPOSE:
         _checked("conv_frozen_scale_bias_relu_forward", x, weight, bias, padding, stride, scale=scale)
-        with _ops._no_autocast(x.device):
-            folded = _ops._folded_weight(weight, scale.detach())
-        return _composed(x, folded, bias.detach(), padding, stride, relu=True)
+        return _composed(x, weight, bias.detach(), padding, stride, relu=True, scale=scale)
     return _ops.conv_frozen_scale_bias_relu(x, weight, scale, bias, padding, stride)
