@@ -7,7 +7,10 @@ one), loads the file at ``path`` as a module and calls ``function(rank, world_si
 It returns the ranks' return values in rank order (they must pickle; tensors come back by
 value), or raises ``RankFailed`` with the traceback of every rank that failed, or
 ``RankTimeout`` naming the ranks that had not finished after ``timeout`` seconds (the
-processes are killed: a hung collective ends the test instead of the session).
+processes are killed: a hung collective ends the test instead of the session). Gloo's TCP mesh
+sometimes fails to connect on a loaded machine ("Connection closed by peer" from
+``connectFullMesh``, before any rank has run the function); such a start is retried up to twice
+with a fresh rendezvous. A failure after the process group is up is never retried.
 
 Worker functions live in the test file itself: test modules are imported under names that a
 child process cannot import, so the child loads the file by path instead. With ``backend
@@ -80,6 +83,7 @@ def _child(rank, world_size, backend, store_file, path, function, args, results,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    phase = "init"
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -92,15 +96,28 @@ def _child(rank, world_size, backend, store_file, path, function, args, results,
             timeout=datetime.timedelta(seconds=collective_timeout),
             **kwargs,
         )
+        phase = "run"
         try:
             value = getattr(_load(path), function)(rank, world_size, *args)
         finally:
             torch.distributed.destroy_process_group()
         # Plain pickle: tensors travel by value. (The queue's own pickler would pass them as
         # shared-memory handles, which die with this process.)
-        results.put((rank, True, pickle.dumps(value)))
+        results.put((rank, True, "run", pickle.dumps(value)))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, phase, traceback.format_exc()))
+
+
+# What gloo says when its TCP mesh does not come up: a transient of the machine, not of the test.
+_TRANSIENT_START = ("connectFullMesh", "Connection closed by peer", "Connection reset by peer")
+
+
+def _transient_start(failures: dict, phases: dict) -> bool:
+    """Whether every failure is a rank that could not join the group for a transient reason."""
+    reported = [r for r in failures if r in phases]
+    return bool(reported) and all(
+        phases[r] == "init" and any(m in failures[r] for m in _TRANSIENT_START) for r in reported
+    )
 
 
 def run_ranks(
@@ -115,6 +132,21 @@ def run_ranks(
     """Run ``function(rank, world_size, *args)`` from the file ``path`` on ``world_size`` ranks."""
     if backend == "nccl" and torch.cuda.device_count() < world_size:
         raise RuntimeError(f"run_ranks: backend nccl needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    collective_timeout = collective_timeout if collective_timeout is not None else timeout
+    for attempt in range(3):
+        values, failures, phases = _run_once(path, function, world_size, backend, args, timeout, collective_timeout)
+        if not (failures and _transient_start(failures, phases)) or attempt == 2:
+            break
+        print(f"run_ranks: the process group did not come up (attempt {attempt + 1}); retrying", file=sys.stderr)
+    if failures:
+        raise RankFailed("\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)))
+    missing = [r for r in range(world_size) if r not in values]
+    if missing:
+        raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
+    return [values[r] for r in range(world_size)]
+
+
+def _run_once(path, function, world_size, backend, args, timeout, collective_timeout):
     context = mp.get_context("spawn")
     results = context.Queue()
     rendezvous = tempfile.mkdtemp(prefix="apex-ranks-")
@@ -130,7 +162,7 @@ def run_ranks(
                 function,
                 args,
                 results,
-                collective_timeout if collective_timeout is not None else timeout,
+                collective_timeout,
             ),
             daemon=True,
         )
@@ -138,7 +170,7 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    values, failures = {}, {}
+    values, failures, phases = {}, {}, {}
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(failures) < world_size:
@@ -146,7 +178,7 @@ def run_ranks(
             if remaining <= 0:
                 break
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                rank, ok, phase, value = results.get(timeout=min(remaining, 1.0))
             except queue_module.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in failures]
                 for r in dead:
@@ -157,7 +189,7 @@ def run_ranks(
             if ok:
                 values[rank] = pickle.loads(value)
             else:
-                failures[rank] = value
+                failures[rank], phases[rank] = value, phase
             if failures:
                 # The others are likely blocked on the failed rank: give them a moment, no more.
                 deadline = min(deadline, time.monotonic() + 10.0)
@@ -168,9 +200,4 @@ def run_ranks(
                 p.kill()
                 p.join()
         shutil.rmtree(rendezvous, ignore_errors=True)
-    if failures:
-        raise RankFailed("\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures)))
-    missing = [r for r in range(world_size) if r not in values]
-    if missing:
-        raise RankTimeout(f"ranks {missing} did not finish within {timeout:.0f} s")
-    return [values[r] for r in range(world_size)]
+    return values, failures, phases

@@ -1,0 +1,43 @@
+"""apex.core.testing.run_ranks: real gloo process groups, failures reported with their tracebacks, and
+only a process group that did not come up (gloo's transient TCP errors) started again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apex.core.testing import RankFailed, _transient_start, run_ranks
+
+RANKS = str(Path(__file__).with_name("_ranks_testing.py"))
+
+
+def test_values_come_back_in_rank_order():
+    assert run_ranks(RANKS, "summed", 2, args=(10.0,), timeout=120) == [21.0, 21.0]
+
+
+def test_a_failure_in_the_function_is_reported_not_retried(capfd):
+    with pytest.raises(RankFailed, match="rank one refuses"):
+        run_ranks(RANKS, "raises_on_one", 2, timeout=120)
+    assert "retrying" not in capfd.readouterr().err
+
+
+MESH = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:23171"
+
+
+@pytest.mark.parametrize(
+    ("failures", "phases", "expected"),
+    [
+        ({0: MESH}, {0: "init"}, True),
+        ({0: MESH, 1: MESH}, {0: "init", 1: "init"}, True),
+        # a rank killed without reporting does not make a start transient or not
+        ({0: MESH, 1: "rank 1 exited with code -9 without reporting"}, {0: "init"}, True),
+        ({0: MESH}, {0: "run"}, False),  # the group was up: the test's own failure
+        ({0: MESH, 1: "ValueError: x"}, {0: "init", 1: "run"}, False),
+        ({0: "RuntimeError: Address already in use"}, {0: "init"}, False),
+        ({0: "rank 0 exited with code 1 without reporting"}, {}, False),
+        ({}, {}, False),
+    ],
+)
+def test_only_a_transient_start_is_retried(failures, phases, expected):
+    assert _transient_start(failures, phases) is expected
