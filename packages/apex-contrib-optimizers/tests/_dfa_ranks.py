@@ -67,7 +67,11 @@ class Probe(nn.Module):
 # configurations of the Probe runs ------------------------------------------------------------
 # param_dtype, shard (elements), steps, micro (micro-batches, all but the last under no_sync),
 # options (DistributedFusedAdam keywords), emulate ("round_params": the parameters are the
-# master values each step, rounded; "round_state": fp16/bf16 state), tol (of the final parameters).
+# master values each step, rounded; "round_state": fp16/bf16 state; "round_scaled": the same, each
+# tensor scaled so its largest magnitude is half of the dtype's largest value first), grad_mult (the
+# gradients times this power of two), tol (of the final parameters).
+SCALED_BF16 = dict(dtype=torch.bfloat16, param_sync_dtype=torch.bfloat16, with_scaled_states=True)
+SCALED_FP16 = dict(dtype=torch.float16, param_sync_dtype=torch.float16, with_scaled_states=True)
 PROBES = {
     "fp32_small_buckets_overlap": dict(param_dtype=torch.float32, shard=32, options=dict(overlap_grad_sync=True)),
     "fp32_one_bucket_no_overlap_adam_l2": dict(
@@ -119,6 +123,15 @@ PROBES = {
     "bf16_grad_sync": dict(
         param_dtype=torch.float32, shard=64, options=dict(grad_sync_dtype=torch.bfloat16), grad_dtype=torch.bfloat16
     ),
+    "bf16_scaled_states": dict(
+        param_dtype=torch.bfloat16, shard=32, options=SCALED_BF16, emulate="round_scaled", tol=2e-2
+    ),
+    # gradients of about 1e-4: exp_avg_sq (about 1e-10) is below fp16's smallest subnormal, so only
+    # the scaled state keeps it (the test checks that plain fp16 state would flush it to zero)
+    "fp16_scaled_states_tiny_grads": dict(
+        param_dtype=torch.float16, shard=32, options=SCALED_FP16, emulate="round_scaled", grad_mult=2.0**-14, tol=5e-3
+    ),
+    "fp32_capturable": dict(param_dtype=torch.float32, shard=32, options=dict(capturable=True)),
 }
 
 
@@ -145,7 +158,7 @@ def train_probe(
     contiguous = cfg.get("options", {}).get("contiguous_grad_buffer", False)
     for step in range(start, start + steps):
         for m in range(micro):
-            grads = probe_grads(step, m, rank)
+            grads = [g * cfg.get("grad_mult", 1.0) for g in probe_grads(step, m, rank)]
             if m < micro - 1:
                 with optimizer.no_sync():
                     model(grads).backward()
@@ -179,6 +192,14 @@ def probe_worker(rank: int, world: int, names: list[str], device="cpu"):
                 state_elements=sum(b.exp_avg.numel() for b in optimizer._buckets),
                 buckets_of_param_2=len(optimizer._param_buckets[model.ps[2]]),
                 params_in_buffer=_params_in_buffer(optimizer, model),
+                state_dtypes={
+                    str(t.dtype)
+                    for b in optimizer._buckets
+                    for t in (b.exp_avg, b.exp_avg_sq, b.params_shard)
+                    if t is not None
+                },
+                scale_shapes=[tuple(b.scales.shape) for b in optimizer._buckets if b.scales is not None],
+                local_fragments=[len(optimizer._local_fragments(b)) for b in optimizer._buckets],
             ),
         )
     return out
@@ -226,7 +247,10 @@ def reference_probe(cfg: dict, world: int, steps: int = 3, skip_steps=(), clip=N
     for step in range(steps):
         if step in skip_steps:
             continue
-        grads = averaged_grads(step, world, cfg.get("micro", 1), cfg.get("grad_dtype"))
+        grads = [
+            g * cfg.get("grad_mult", 1.0)
+            for g in averaged_grads(step, world, cfg.get("micro", 1), cfg.get("grad_dtype"))
+        ]
         for i, (p, g) in enumerate(zip(params, grads)):
             p.grad = None if i == FROZEN else g.clone()
         if clip is not None:
@@ -236,13 +260,14 @@ def reference_probe(cfg: dict, world: int, steps: int = 3, skip_steps=(), clip=N
         if emulate == "round_params":
             for p in params:
                 p.data.copy_(p.data.to(dtype).double())
-        if emulate == "round_state":
+        if emulate in ("round_state", "round_scaled"):
+            rounded = _round_scaled if emulate == "round_scaled" else lambda t, d: t.to(d).double()
             for p in params:
-                p.data.copy_(p.data.to(state_dtype).double())
+                p.data.copy_(rounded(p.data, state_dtype))
                 for key in ("exp_avg", "exp_avg_sq"):
                     if p in optimizer.state:
                         s = optimizer.state[p][key]
-                        s.copy_(s.to(state_dtype).double())
+                        s.copy_(rounded(s, state_dtype))
     states = [optimizer.state.get(p, {}) for p in params]
     return dict(
         masters=[p.detach().clone() for p in params],
@@ -251,6 +276,16 @@ def reference_probe(cfg: dict, world: int, steps: int = 3, skip_steps=(), clip=N
         step=count,
         norms=norms,
     )
+
+
+def _round_scaled(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` stored in ``dtype`` with a per-tensor scale (the largest magnitude at half of fp16's
+    largest value, or at 1 for bf16), read back."""
+    peak = t.abs().max().item() if t.numel() else 0.0
+    if peak == 0.0:
+        return torch.zeros_like(t)
+    scale = peak / (torch.finfo(torch.float16).max / 2 if dtype == torch.float16 else 1.0)
+    return (t / scale).to(dtype).double() * scale
 
 
 # GradScaler, clipping, state dict ---------------------------------------------------------------
@@ -390,6 +425,67 @@ def load_worker(rank: int, world: int, saved: dict, saved_params: list, saved_wo
     return [p.detach().double().clone() for p in model.ps]
 
 
+SCALED_CFG = PROBES["fp16_scaled_states_tiny_grads"]
+
+
+def scaled_save_load_worker(rank: int, world: int):
+    """Scaled fp16 state: train 2 steps, save, train 2 more; a fresh optimizer (other bucket size)
+    that loads the saved state and trains the same 2 steps must end where the first did."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model, optimizer = train_probe(SCALED_CFG, world, rank, steps=2)
+    saved = optimizer.state_dict()
+    saved_params = [p.detach().clone() for p in model.ps]
+    train_probe(SCALED_CFG, world, rank, model, optimizer, start=2, steps=2)
+    final = [p.detach().double().clone() for p in model.ps]
+    again = Probe(torch.float16)
+    with torch.no_grad():
+        for p, v in zip(again.ps, saved_params):
+            p.copy_(v)
+    options = probe_options(dict(SCALED_CFG, shard=64), world)
+    loaded = DistributedFusedAdam(again.groups(), betas=BETAS, eps=EPS, device="cpu", **options)
+    loaded.load_state_dict(saved)
+    train_probe(SCALED_CFG, world, rank, again, loaded, start=2, steps=2)
+    return dict(
+        final=final,
+        resumed=[p.detach().double().clone() for p in again.ps],
+        saved_dtypes={str(v.dtype) for k, e in saved["state"].items() if k != "step" for v in e.values()},
+    )
+
+
+def capturable_worker(rank: int, world: int):
+    """capturable=True: every group's lr becomes a device tensor, which a torch LRScheduler and
+    load_state_dict update in place (a captured graph keeps reading the same tensor)."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    model = Probe(torch.float32)
+    cfg = dict(param_dtype=torch.float32, shard=32)
+    optimizer = DistributedFusedAdam(
+        model.groups(), betas=BETAS, eps=EPS, device="cpu", capturable=True, **probe_options(cfg, world)
+    )
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    values = []
+    for step in range(2):
+        model(probe_grads(step, 0, rank)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        values.append([float(group["lr"]) for group in optimizer.param_groups])
+    same_after_scheduler = all(group["lr"] is lr for group, lr in zip(optimizer.param_groups, lrs))
+    saved = optimizer.state_dict()
+    for group in saved["param_groups"]:
+        group["lr"] = torch.tensor(0.125)
+    optimizer.load_state_dict(saved)
+    return dict(
+        kinds=[(type(lr).__name__, str(lr.dtype), lr.device.type, lr.dim()) for lr in lrs],
+        values=values,
+        same_after_scheduler=same_after_scheduler,
+        same_after_load=all(group["lr"] is lr for group, lr in zip(optimizer.param_groups, lrs)),
+        loaded=[float(lr) for lr in lrs],
+    )
+
+
 # the MLP ------------------------------------------------------------------------------------------
 
 BATCH = 12
@@ -440,13 +536,61 @@ def mlp_worker(rank: int, world: int, overlap_param_sync: bool, device="cpu"):
     return {n: p.detach().double().cpu() for n, p in model.named_parameters()}
 
 
+def graph_worker(rank: int, world: int, device: torch.device, warmup: int = 3, replays: int = 3):
+    """capturable=True on CUDA: zero_grad, forward, backward and step captured in one CUDA graph and
+    replayed on new gradients, against the same steps run eagerly. Returns (graphed, eager) params."""
+    from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
+
+    cfg = dict(param_dtype=torch.float32, shard=32)
+
+    def build():
+        model = Probe(torch.float32).to(device)
+        optimizer = DistributedFusedAdam(
+            model.groups(), betas=BETAS, eps=EPS, device=device, capturable=True, **probe_options(cfg, world)
+        )
+        return model, optimizer
+
+    def iteration(model, optimizer, grads):
+        optimizer.zero_grad()
+        model(grads).backward()
+        optimizer.step()
+
+    eager_model, eager_optimizer = build()
+    for step in range(warmup + replays):
+        iteration(eager_model, eager_optimizer, [g.to(device) for g in probe_grads(step, 0, rank)])
+    model, optimizer = build()
+    static = [g.to(device) for g in probe_grads(0, 0, rank)]
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for step in range(warmup):
+            for buffer, g in zip(static, probe_grads(step, 0, rank)):
+                buffer.copy_(g)
+            iteration(model, optimizer, static)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        iteration(model, optimizer, static)
+    for step in range(warmup, warmup + replays):
+        for buffer, g in zip(static, probe_grads(step, 0, rank)):
+            buffer.copy_(g)
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return (
+        [p.detach().double().cpu() for p in model.ps],
+        [p.detach().double().cpu() for p in eager_model.ps],
+        float(optimizer.state["step"]),
+    )
+
+
 def nccl_suite_worker(rank: int, world: int):
-    """The Probe configurations, GradScaler cases and the MLP on ``cuda:rank`` with NCCL."""
+    """The Probe configurations, GradScaler cases and the MLP on ``cuda:rank`` with NCCL; a captured step."""
     device = torch.device("cuda", rank)
     return dict(
         probes=probe_worker(rank, world, list(PROBES), device=device),
         scaler=scaler_worker(rank, world, device=device),
         mlp=mlp_worker(rank, world, False, device=device),
+        graph=graph_worker(rank, world, device),
     )
 
 
@@ -492,9 +636,18 @@ def hybrid_worker(rank: int, world: int):
 
 BAD_ARGUMENTS = {
     "amsgrad": (dict(amsgrad=True), RuntimeError, "amsgrad"),
-    "with_scaled_states": (dict(with_scaled_states=True), NotImplementedError, "with_scaled_states"),
     "nccl_ub": (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
-    "capturable": (dict(capturable=True), NotImplementedError, "capturable"),
+    "scaled_states_fp32_state": (dict(with_scaled_states=True), RuntimeError, "dtype=torch.float16 or"),
+    "scaled_states_without_store_params": (
+        dict(SCALED_BF16, store_params=False),
+        RuntimeError,
+        "with_scaled_states=True needs store_params=True",
+    ),
+    "scaled_states_fp32_param_sync": (
+        dict(SCALED_BF16, param_sync_dtype=torch.float32),
+        RuntimeError,
+        "param_sync_dtype=torch.float32",
+    ),
     "dtype": (dict(dtype=torch.float64), ValueError, "dtype"),
     "grad_sync_dtype": (dict(grad_sync_dtype=torch.int32), ValueError, "grad_sync_dtype"),
     "param_sync_dtype": (dict(param_sync_dtype=torch.float64), ValueError, "param_sync_dtype"),
@@ -662,6 +815,8 @@ def suite_worker(rank: int, world: int, saved=None):
             bad=bad_arguments_worker(rank, world),
             overlap=overlap_worker(rank, world),
             misc=misc_worker(rank, world),
+            scaled_save_load=scaled_save_load_worker(rank, world),
+            capturable=capturable_worker(rank, world),
         )
     if saved is not None:
         out["load"] = load_worker(rank, world, *saved)

@@ -19,6 +19,9 @@ __all__ = ["DistributedFusedAdam"]
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CHUNK_SIZE = 65536
 _STATE_DICT_FORMAT = 2
+# with_scaled_states: the scaled shards of a bucket, by their row in _Bucket.scales.
+_SCALED = ("params_shard", "exp_avg", "exp_avg_sq")
+_MASTER, _EXP_AVG, _EXP_AVG_SQ = range(3)
 # torch 2.13 names the single-tensor collectives *_single and deprecates *_tensor; 2.11 has only the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -49,6 +52,13 @@ class _Bucket:
     exp_avg_sq: torch.Tensor | None = None
     params_shard: torch.Tensor | None = None  # store_params: master values in `dtype`
     param_remainders: torch.Tensor | None = None  # store_param_remainders: int16 low halves
+    # with_scaled_states: the shard as segments (each local fragment one, the gaps between them
+    # others), each segment's slot in `scales` (the gaps: the last slot, always 0), and per local
+    # fragment the factors that turn the stored master / exp_avg / exp_avg_sq back into their values.
+    segment_lengths: torch.Tensor | None = None
+    segment_slots: torch.Tensor | None = None
+    fragment_segments: torch.Tensor | None = None
+    scales: torch.Tensor | None = None  # fp32 [3, local fragments + 1]
     # Gradients: local contributions not yet reduced, the reduced shard, the collective in flight.
     local_grads: torch.Tensor | None = None
     grads_shard: torch.Tensor | None = None
@@ -127,7 +137,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         store_param_remainders: bf16 parameters with fp32 state: keep only the low 16 bits of the fp32
             masters (needs ``store_params=False``, ``dtype=torch.float32`` and
             ``param_sync_dtype=torch.bfloat16``, as upstream).
-        with_scaled_states, nccl_ub, capturable: not supported; True raises NotImplementedError.
+        with_scaled_states: keep the master values and both moments in ``dtype`` (fp16 or bf16) scaled
+            per parameter fragment (the part of a parameter in one bucket), as upstream (as in FP8-LM):
+            each is stored as ``value / scale`` with ``scale = max|value| / peak``, ``peak`` half of
+            fp16's largest value (as upstream) or 1 for bf16 (upstream's bf16 target overflows, see
+            :func:`scaled_state_peak`), so that small moments keep their precision in fp16. The step
+            runs in fp32 on unscaled copies of one bucket at a time and stores the results scaled
+            again with new factors. Needs ``store_params=True``, ``dtype`` fp16 or bf16 and a 16-bit
+            ``param_sync_dtype``, as upstream. The state dict holds the unscaled values in fp32.
+        nccl_ub: not supported; True raises NotImplementedError (NCCL user buffers).
+        capturable: keep every group's ``lr`` as a one-element fp32 tensor on ``device`` (a float is
+            converted at construction; a scheduler must then update it in place, as torch's
+            ``LRScheduler`` does for tensor learning rates), so that a CUDA graph that captured the
+            step reads the current rate on each replay. The step itself never syncs with the host
+            (the step count lives on the device and a GradScaler's skip is decided there), so it may
+            be captured with or without this flag; capture the backward pass with it, since the
+            reduced gradient shards are made during backward.
 
     Mixed precision: ``step(grad_scaler=scaler)`` (what ``torch.amp.GradScaler.step`` passes) unscales
     inside the step and skips it on the device when a gradient is inf/NaN (on any rank), without a host
@@ -180,13 +205,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         name = "DistributedFusedAdam"
         if amsgrad:
             raise RuntimeError(f"{name} does not support the AMSGrad variant (amsgrad=True)")
-        for flag, value, why in (
-            ("with_scaled_states", with_scaled_states, "per-tensor scaled fp16/bf16 state is not implemented"),
-            ("nccl_ub", nccl_ub, "NCCL user buffers (apex.contrib.nccl_allocator) are not implemented"),
-            ("capturable", capturable, "CUDA-graph capture of the step is not implemented"),
-        ):  # fmt: skip
-            if value:
-                raise NotImplementedError(f"{name}: {flag}=True is not supported: {why}")
+        if nccl_ub:
+            raise NotImplementedError(
+                f"{name}: nccl_ub=True is not supported: NCCL user buffers (apex.contrib.nccl_allocator) "
+                "are not implemented"
+            )
         _check_number(name, "lr", lr, allow_tensor=True)
         _check_number(name, "eps", eps)
         _check_number(name, "weight_decay", weight_decay)
@@ -208,6 +231,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{name}: store_param_remainders=True needs dtype=torch.float32 and "
                     f"param_sync_dtype=torch.bfloat16 (got dtype={dtype}, param_sync_dtype={param_sync_dtype})"
+                )
+        if with_scaled_states:
+            if not store_params:
+                raise RuntimeError(f"{name}: with_scaled_states=True needs store_params=True")
+            if store_param_remainders:
+                raise RuntimeError(f"{name}: with_scaled_states=True needs store_param_remainders=False")
+            if dtype not in (torch.float16, torch.bfloat16):
+                raise RuntimeError(
+                    f"{name}: with_scaled_states=True needs dtype=torch.float16 or torch.bfloat16, got dtype={dtype}"
+                )
+            if param_sync_dtype == torch.float32:
+                raise RuntimeError(
+                    f"{name}: with_scaled_states=True needs a 16-bit param_sync_dtype, "
+                    f"got param_sync_dtype={param_sync_dtype}"
                 )
         if not (isinstance(bucket_cap_mb, numbers.Real) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
             raise ValueError(f"{name}: bucket_cap_mb must be a positive number, got {bucket_cap_mb}")
@@ -231,9 +268,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.contiguous_grad_buffer = bool(contiguous_grad_buffer)
         self.store_params = bool(store_params)
         self.store_param_remainders = bool(store_param_remainders)
-        self.with_scaled_states = False
+        self.with_scaled_states = bool(with_scaled_states)
         self.nccl_ub = False
-        self.capturable = False
+        self.capturable = bool(capturable)
+        if self.capturable:
+            for group in self.param_groups:
+                group["lr"] = torch.as_tensor(group["lr"]).to(self.device, torch.float32).reshape(())
 
         # Process groups: state sharded over `distributed`, replicated over `redundant`.
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -383,7 +423,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.exp_avg = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
             bucket.exp_avg_sq = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
-            if self.store_params:
+            if self.with_scaled_states:
+                self._make_segments(bucket)
+                bucket.params_shard = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+                self._store_scaled(bucket, _MASTER, self._pack_params(bucket, torch.float32))
+            elif self.store_params:
                 bucket.params_shard = self._pack_params(bucket, self.dtype)
             if self.store_param_remainders:
                 bucket.param_remainders = torch.zeros(self.shard_size, dtype=torch.int16, device=self.device)
@@ -402,6 +446,47 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             view = self._param_buffer[start:end].view(p.shape)
             view.copy_(p.detach())
             p.data = view
+
+    def _make_segments(self, bucket: _Bucket) -> None:
+        lengths, slots, fragment_segments = [], [], []
+        local = sorted(self._local_fragments(bucket), key=lambda f: f.shard_range)
+        gap = len(local)  # the slot of the gaps: its factor stays 0
+        at = 0
+        for k, f in enumerate(local):
+            start, end = f.shard_range
+            if start > at:
+                lengths.append(start - at)
+                slots.append(gap)
+            fragment_segments.append(len(lengths))
+            lengths.append(end - start)
+            slots.append(k)
+            at = end
+        if at < self.shard_size:
+            lengths.append(self.shard_size - at)
+            slots.append(gap)
+        bucket.segment_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.device)
+        bucket.segment_slots = torch.tensor(slots, dtype=torch.int64, device=self.device)
+        bucket.fragment_segments = torch.tensor(fragment_segments, dtype=torch.int64, device=self.device)
+        bucket.scales = torch.zeros(len(_SCALED), gap + 1, dtype=torch.float32, device=self.device)
+
+    def _per_element(self, bucket: _Bucket, factors: torch.Tensor) -> torch.Tensor:
+        """A shard-long fp32 vector holding each local fragment's factor over its elements (0 in the gaps)."""
+        return factors[bucket.segment_slots].repeat_interleave(bucket.segment_lengths, output_size=self.shard_size)
+
+    def _unscaled_state(self, bucket: _Bucket, which: int) -> torch.Tensor:
+        """The fp32 values of a scaled state shard (``which``: _MASTER, _EXP_AVG or _EXP_AVG_SQ)."""
+        stored = getattr(bucket, _SCALED[which])
+        return stored.float().mul_(self._per_element(bucket, bucket.scales[which]))
+
+    def _store_scaled(self, bucket: _Bucket, which: int, values: torch.Tensor) -> None:
+        """Store fp32 ``values`` (a shard; overwritten) into the scaled state shard ``which``, with
+        new factors: each fragment's largest magnitude maps to ``scaled_state_peak(dtype)``."""
+        peaks = torch.segment_reduce(values.abs(), "max", lengths=bucket.segment_lengths, unsafe=True)
+        factors = bucket.scales[which]
+        factors[:-1] = peaks[bucket.fragment_segments] / scaled_state_peak(self.dtype)
+        # a division, not a product with the inverse: the inverse of a small factor can overflow
+        divisors = torch.where(factors > 0, factors, 1.0)
+        getattr(bucket, _SCALED[which]).copy_(values.div_(self._per_element(bucket, divisors)))
 
     def _local_fragments(self, bucket: _Bucket):
         return [f for f in bucket.fragments if f.shard_range is not None]
@@ -675,15 +760,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # Unscaled/clipped in fp32 (in place for an fp32 shard): a loss scale's inverse can be
             # subnormal in fp16.
             grads = bucket.grads_shard.float().mul_(self._grad_scale)
-        if self.store_param_remainders:
+        exp_avg, exp_avg_sq = bucket.exp_avg, bucket.exp_avg_sq
+        if self.with_scaled_states:
+            # fp32 copies of this bucket's state, stepped and then stored scaled again
+            master = self._unscaled_state(bucket, _MASTER)
+            exp_avg, exp_avg_sq = self._unscaled_state(bucket, _EXP_AVG), self._unscaled_state(bucket, _EXP_AVG_SQ)
+        elif self.store_param_remainders:
             master = self._pack_params(bucket, torch.bfloat16)
         elif self.store_params:
             master = bucket.params_shard
         else:
             master = self._pack_params(bucket, self.dtype)
-        separate_output = (
-            self.store_param_remainders or self.param_sync_dtype != self.dtype or self.dtype != torch.float32
-        )
+        fp32_math = master.dtype == torch.float32 and not self.store_param_remainders
+        separate_output = self.store_param_remainders or self.param_sync_dtype != master.dtype or not fp32_math
         # Starts from the current values: a step skipped on the device (found_inf) leaves it as it is,
         # and it is all-gathered into the parameters all the same.
         output = master.to(self.param_sync_dtype, copy=True) if separate_output else master
@@ -716,10 +805,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 bucket.views[(g, role)] = (t, sliced)
                 return sliced
 
-            if self.dtype == torch.float32 and not self.store_param_remainders:
+            if fp32_math:
                 torch.ops.apex_optimizers.fused_adam(
-                    _CHUNK_SIZE, views(output, "output"), views(grads, "grads"), views(bucket.exp_avg, "m"),
-                    views(bucket.exp_avg_sq, "v"), views(master, "master") if separate_output else [], lr_value, 0,
+                    _CHUNK_SIZE, views(output, "output"), views(grads, "grads"), views(exp_avg, "m"),
+                    views(exp_avg_sq, "v"), views(master, "master") if separate_output else [], lr_value, 0,
                     beta1, beta2, group["eps"],
                     group["weight_decay"], self.adam_w_mode, group["bias_correction"], lr_tensor, step, None, found_inf,
                 )  # fmt: skip
@@ -746,6 +835,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     beta1, beta2, group["eps"], 0, mode, group["bias_correction"],
                     group["weight_decay"], lr_tensor, step,
                 )  # fmt: skip
+        if self.with_scaled_states:
+            for which, values in ((_MASTER, master), (_EXP_AVG, exp_avg), (_EXP_AVG_SQ, exp_avg_sq)):
+                self._store_scaled(bucket, which, values)
 
     # --- parameter all-gather ------------------------------------------------------------------
 
@@ -821,7 +913,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         Upstream's v2 format: ``torch.optim``'s layout (``param_groups`` with parameter indices,
         ``state``) where ``state["step"]`` is the step count (an int) and ``state[i]`` holds
         ``param`` (the master values), ``exp_avg`` and ``exp_avg_sq`` of parameter ``i`` at its full
-        shape, on the CPU, in ``dtype``; plus ``"format": 2``. It does not depend on the number of
+        shape, on the CPU, in ``dtype`` (fp32 and unscaled with ``with_scaled_states``, as upstream);
+        plus ``"format": 2``. It does not depend on the number of
         ranks or the bucket size, so it loads at another world size. Upstream's deprecated v1
         format (``state_dict_format=1``, pickled per-rank shards) is not supported.
         """
@@ -835,6 +928,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
         self.grad_sync()
         self.param_sync()
+        if self.with_scaled_states:
+            gathered = {
+                key: self._gather_shards([self._unscaled_state(b, which) for b in self._buckets])
+                for which, key in enumerate(("param", "exp_avg", "exp_avg_sq"))
+            }
+            return self._assemble_state_dict(gathered, torch.float32)
         masters = []
         for bucket in self._buckets:
             if self.store_params:
@@ -849,6 +948,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             "exp_avg": self._gather_shards([b.exp_avg for b in self._buckets]),
             "exp_avg_sq": self._gather_shards([b.exp_avg_sq for b in self._buckets]),
         }
+        return self._assemble_state_dict(gathered, self.dtype)
+
+    def _assemble_state_dict(self, gathered: dict, dtype: torch.dtype) -> dict:
+        """The v2 state dict from each key's gathered buckets."""
         index_of = {}
         param_groups = []
         for group in self.param_groups:
@@ -862,7 +965,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for p in self._ordered_params:
             entry = {}
             for key, buckets in gathered.items():
-                full = torch.empty(p.numel(), dtype=self.dtype)
+                full = torch.empty(p.numel(), dtype=dtype)
                 for bucket in self._param_buckets[p]:
                     for f in bucket.fragments:
                         if f.param is p:
@@ -897,9 +1000,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.grad_sync()
         self.param_sync()
         saved_state = state_dict["state"]
+        # Where each bucket's loaded values go: its state shards, or fp32 copies stored scaled after.
+        targets = {
+            b.index: (
+                tuple(self._unscaled_state(b, which) for which in range(len(_SCALED)))
+                if self.with_scaled_states
+                else (b.params_shard, b.exp_avg, b.exp_avg_sq)
+            )
+            for b in self._buckets
+        }
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
-                if key != "params":
+                if key == "params":
+                    continue
+                if key == "lr" and self.capturable:  # in place: a captured graph reads this tensor
+                    group["lr"].copy_(torch.as_tensor(value))
+                else:
                     group[key] = value
             for index, p in zip(saved["params"], group["params"]):
                 if p not in self._param_range:
@@ -913,20 +1029,25 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                             f"{name}: state[{index}][{key!r}] has shape {tuple(entry[key].shape)}, "
                             f"the parameter {tuple(p.shape)}"
                         )
-                self._load_param_state(p, entry)
+                self._load_param_state(p, entry, targets)
+        if self.with_scaled_states:
+            for b in self._buckets:
+                for which, values in enumerate(targets[b.index]):
+                    self._store_scaled(b, which, values)
         self.state["step"].fill_(float(saved_state["step"]))
 
-    def _load_param_state(self, p: torch.Tensor, entry: dict) -> None:
+    def _load_param_state(self, p: torch.Tensor, entry: dict, targets: dict) -> None:
         for bucket in self._param_buckets[p]:
+            masters, exp_avg, exp_avg_sq = targets[bucket.index]
             for f in self._local_fragments(bucket):
                 if f.param is not p:
                     continue
                 shard, source = slice(*f.shard_range), slice(*f.shard_param_range)
-                bucket.exp_avg[shard].copy_(entry["exp_avg"].reshape(-1)[source])
-                bucket.exp_avg_sq[shard].copy_(entry["exp_avg_sq"].reshape(-1)[source])
+                exp_avg[shard].copy_(entry["exp_avg"].reshape(-1)[source])
+                exp_avg_sq[shard].copy_(entry["exp_avg_sq"].reshape(-1)[source])
                 master = entry["param"].reshape(-1)[source].to(self.device)
-                if self.store_params:
-                    bucket.params_shard[shard].copy_(master)
+                if masters is not None:
+                    masters[shard].copy_(master)
                 elif self.store_param_remainders:
                     _, remainder = _distributed_adam_ops.fp32_to_bf16_and_remainder(master.float())
                     bucket.param_remainders[shard].copy_(remainder)
@@ -935,6 +1056,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         hook = getattr(self, "_forward_hook", None)
         if hook is not None:
             hook.remove()
+
+
+def scaled_state_peak(dtype: torch.dtype) -> float:
+    """What a fragment's largest magnitude becomes in scaled state (``with_scaled_states``): half of
+    fp16's largest value, as upstream; 1 for bf16, whose range is fp32's. (Upstream's target, half of
+    bf16's largest value, makes the factor's inverse overflow fp32 for every tensor whose values are
+    all below 0.5, and its state inf or NaN.)"""
+    return torch.finfo(torch.float16).max / 2 if dtype == torch.float16 else 1.0
 
 
 def _drop_grad(param: torch.Tensor) -> None:
