@@ -82,6 +82,9 @@ def test_report_json():
 def test_report_and_list_text():
     report = _apex("report")
     assert report.returncode == 0 and "apex-core" in report.stdout and "core" in report.stdout
+    # every plugin row keeps its columns apart, however long a distribution's name is
+    rows = [line.split() for line in report.stdout.splitlines() if line.startswith(tuple(_names()))]
+    assert rows and all(len(r) >= 3 and r[2][0].isdigit() for r in rows), report.stdout
     listing = _apex("list")
     assert listing.returncode == 0 and "apex.multi_tensor_apply" in listing.stdout
 
@@ -122,3 +125,9 @@ def test_status_of_a_pure_package_is_none():
     if not any(r.name == "amp" for r in plugins.discover()):
         pytest.skip("apex-amp is not installed")
     assert apex.core.status("amp") is None
+
+
+def _names() -> list[str]:
+    from apex.core import plugins
+
+    return [f"{r.name} " for r in plugins.discover()]

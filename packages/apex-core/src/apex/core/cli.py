@@ -77,15 +77,18 @@ def report(as_json: bool = False, file=None) -> int:
     for key, value in _environment().items():
         print(f"{key:<22}{value}", file=file)
     print("-" * 72, file=file)
+    # columns as wide as their longest entry plus two spaces (at least the old fixed widths)
+    name_w = max([18] + [len(row["name"]) for row in rows]) + 2
+    dist_w = max([28] + [len(row["distribution"] or "?") for row in rows]) + 2
     for row in rows:
-        head = f"{row['name']:<20}{row['distribution'] or '?':<30}{row['version']:<12}"
+        head = f"{row['name']:<{name_w}}{row['distribution'] or '?':<{dist_w}}{row['version']:<12}"
         if row["error"]:
             print(f"{head}BROKEN: {row['error']}", file=file)
             continue
         print(f"{head}{row['tier']:<12}{row['reason']}", file=file)
         if row.get("built_for"):
             built = ", ".join(f"{k} {v}" for k, v in row["built_for"].items())
-            print(f"{'':<52}built for {built}", file=file)
+            print(f"{'':<{name_w + dist_w + 12}}built for {built}", file=file)
     for problem in problems:
         print(f"PROBLEM: {problem}", file=file)
     return 1 if problems else 0
