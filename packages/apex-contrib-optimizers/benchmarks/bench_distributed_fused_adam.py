@@ -9,6 +9,8 @@ Cases (GPU time, CUDA events, median of samples after warm-up; random data):
   against torch's fused AdamW on the same parameters (``.grad`` set);
 - ``step bf16 params, fp32 master``: bf16 parameters, fp32 state and masters, bf16 all-gather;
 - ``step bf16 params, remainders``: ``store_param_remainders`` (this package's remainder kernel);
+- ``step bf16 params, scaled fp16 state``: ``with_scaled_states`` with fp16 masters and moments
+  (reported only: unscaled fp32 copies per bucket, the fp32 step, new factors and the scaled writes);
 - ``gradients fp32``: the backward-side work for one step: the hooks' copies of ``.grad`` into the
   buckets and the reduce-scatters (no torch counterpart: reported only).
 - the shard-step ops alone on flat shards of the same sizes (chunk_size 65536), this package's CUDA
@@ -78,10 +80,11 @@ def feed_gradients(optimizer, params):
         optimizer._post_accumulate_grad_hook(p)
 
 
-def distributed_step_ms(shapes, samples, dtype=torch.float32, **options) -> float:
+def distributed_step_ms(shapes, samples, param_dtype=torch.float32, **options) -> float:
+    """``options``: DistributedFusedAdam's keywords (``dtype`` is the optimizer state's)."""
     from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam
 
-    params = make_params(shapes, dtype)
+    params = make_params(shapes, param_dtype)
     optimizer = DistributedFusedAdam(params, lr=LR, weight_decay=0.01, device=DEVICE, **options)
     feed_gradients(optimizer, params)
     optimizer.grad_sync()  # the reduced gradients stay in place: every timed step reuses them
@@ -230,6 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 store_params=False,
                 store_param_remainders=True,
             )
+            scaled = distributed_step_ms(
+                shapes,
+                max(3, samples // 4),
+                torch.bfloat16,
+                dtype=torch.float16,
+                param_sync_dtype=torch.bfloat16,
+                with_scaled_states=True,
+            )
             grads = gradient_path_ms(shapes, samples)
         finally:
             dist.destroy_process_group()
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         row("step fp32", n, fp32, adamw, torch_ms, 28 + 16, copy_gbps),
         row("step bf16 params, fp32 master", n, bf16, adamw, torch_ms, 28 + 8, copy_gbps),
         row("step bf16 params, remainders", n, remainders, adamw, torch_ms, 24 + 8, copy_gbps),
+        # scaled fp16 state: 6 bytes read and written, 3 fp32 copies written and read twice, 2 x 4 of
+        # the gradient's fp32 copy, the output copy and gather (reported only: no bar, no torch twin)
+        row("step bf16 params, scaled fp16 state", n, scaled, adamw, torch_ms, 12 + 24 + 24 + 8 + 8, copy_gbps),
         row("gradients fp32 (hooks + reduce-scatter)", n, grads, "", None, 12, copy_gbps),
     ]
     op_rows = {
