@@ -583,6 +583,24 @@ def graph_worker(rank: int, world: int, device: torch.device, warmup: int = 3, r
     )
 
 
+NCCL_UB_CFG = dict(param_dtype=torch.float32, shard=32, options=dict(nccl_ub=True, contiguous_grad_buffer=True))
+
+
+def nccl_ub_worker(rank: int, world: int, device: torch.device):
+    """The Probe with NCCL user buffers, or ("unavailable", why) where PyTorch offers no ncclMemAlloc pool."""
+    try:
+        model, optimizer = train_probe(NCCL_UB_CFG, world, rank, device=device)
+    except RuntimeError as error:
+        if "ncclMemAlloc" in str(error) or "mem_allocator" in str(error):
+            return ("unavailable", str(error))
+        raise
+    in_pool = optimizer._nccl_pool is not None and optimizer._grad_buffer is not None
+    return (
+        "ran",
+        dict(params=[p.detach().double().cpu() for p in model.ps], state=optimizer.state_dict(), in_pool=in_pool),
+    )
+
+
 def nccl_suite_worker(rank: int, world: int):
     """The Probe configurations, GradScaler cases and the MLP on ``cuda:rank`` with NCCL; a captured step."""
     device = torch.device("cuda", rank)
@@ -591,6 +609,7 @@ def nccl_suite_worker(rank: int, world: int):
         scaler=scaler_worker(rank, world, device=device),
         mlp=mlp_worker(rank, world, False, device=device),
         graph=graph_worker(rank, world, device),
+        nccl_ub=nccl_ub_worker(rank, world, device),
     )
 
 
@@ -636,7 +655,12 @@ def hybrid_worker(rank: int, world: int):
 
 BAD_ARGUMENTS = {
     "amsgrad": (dict(amsgrad=True), RuntimeError, "amsgrad"),
-    "nccl_ub": (dict(nccl_ub=True), NotImplementedError, "nccl_ub"),
+    "nccl_ub_without_contiguous_grads": (dict(nccl_ub=True), RuntimeError, "contiguous_grad_buffer=True"),
+    "nccl_ub_on_gloo": (
+        dict(nccl_ub=True, contiguous_grad_buffer=True),
+        RuntimeError,
+        "NCCL distributed_process_group",
+    ),
     "scaled_states_fp32_state": (dict(with_scaled_states=True), RuntimeError, "dtype=torch.float16 or"),
     "scaled_states_without_store_params": (
         dict(SCALED_BF16, store_params=False),

@@ -548,3 +548,23 @@ def test_capturable_step_replays_in_a_cuda_graph(nccl_suite):
         assert steps == 6.0, "the step count lives on the device: each replay adds one"
         for i, (a, b) in enumerate(zip(graphed, eager)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=f"rank {rank} param {i}")
+
+
+@pytest.mark.gpu
+def test_nccl_user_buffers_match_torch_adam_or_say_why_not(nccl_suite):
+    """nccl_ub=True where PyTorch's NCCL backend offers ncclMemAlloc: the Probe as every other layout;
+    elsewhere (the H200 machine of 2026-12-05 offered none) construction says so."""
+    world, results = nccl_suite
+    kinds = {r["nccl_ub"][0] for r in results}
+    assert len(kinds) == 1
+    if kinds == {"unavailable"}:
+        for r in results:
+            assert "ncclMemAlloc" in r["nccl_ub"][1] or "mem_allocator" in r["nccl_ub"][1]
+        pytest.skip("PyTorch's NCCL backend offers no ncclMemAlloc allocator here: " + results[0]["nccl_ub"][1])
+    ref = R.reference_probe(R.NCCL_UB_CFG, world)
+    for rank, r in enumerate(results):
+        out = r["nccl_ub"][1]
+        assert out["in_pool"]
+        for i, (p, master) in enumerate(zip(out["params"], ref["masters"])):
+            if i != R.FROZEN and p.numel():
+                torch.testing.assert_close(p, master, **FP32_TOL, msg=f"rank {rank} param {i}")

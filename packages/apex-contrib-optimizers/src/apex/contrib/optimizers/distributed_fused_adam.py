@@ -145,7 +145,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             runs in fp32 on unscaled copies of one bucket at a time and stores the results scaled
             again with new factors. Needs ``store_params=True``, ``dtype`` fp16 or bf16 and a 16-bit
             ``param_sync_dtype``, as upstream. The state dict holds the unscaled values in fp32.
-        nccl_ub: not supported; True raises NotImplementedError (NCCL user buffers).
+        nccl_ub: NCCL user buffers (zero-copy collectives): the contiguous gradient buffer, the reduced
+            gradient shards and (with ``contiguous_param_buffer``) the parameter buffer are allocated
+            from an ``apex.contrib.nccl_allocator`` pool registered with ``distributed_process_group``,
+            and the reduce-scatter sums (the shard is then divided), as upstream. Needs
+            ``contiguous_grad_buffer=True``, CUDA parameters, NCCL, apex-contrib-nccl-allocator and a
+            PyTorch whose NCCL backend offers ``ncclMemAlloc`` (RuntimeError saying which is missing).
         capturable: keep every group's ``lr`` as a one-element fp32 tensor on ``device`` (a float is
             converted at construction; a scheduler must then update it in place, as torch's
             ``LRScheduler`` does for tensor learning rates), so that a CUDA graph that captured the
@@ -205,11 +210,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         name = "DistributedFusedAdam"
         if amsgrad:
             raise RuntimeError(f"{name} does not support the AMSGrad variant (amsgrad=True)")
-        if nccl_ub:
-            raise NotImplementedError(
-                f"{name}: nccl_ub=True is not supported: NCCL user buffers (apex.contrib.nccl_allocator) "
-                "are not implemented"
-            )
+        if nccl_ub and not contiguous_grad_buffer:
+            raise RuntimeError(f"{name}: nccl_ub=True needs contiguous_grad_buffer=True (as upstream)")
         _check_number(name, "lr", lr, allow_tensor=True)
         _check_number(name, "eps", eps)
         _check_number(name, "weight_decay", weight_decay)
@@ -269,7 +271,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.store_params = bool(store_params)
         self.store_param_remainders = bool(store_param_remainders)
         self.with_scaled_states = bool(with_scaled_states)
-        self.nccl_ub = False
+        self.nccl_ub = bool(nccl_ub)
         self.capturable = bool(capturable)
         if self.capturable:
             for group in self.param_groups:
@@ -292,11 +294,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 f"{self.redundant_size} (their product must match)"
             )
         self.process_group_root = dist.get_global_rank(self.process_group, 0)
-        self._average_in_collective = (
-            self.average_grad_sync
-            and self.redundant_size == 1
-            and dist.get_backend(self.distributed_process_group) == dist.Backend.NCCL
-        )
+        nccl = dist.get_backend(self.distributed_process_group) == dist.Backend.NCCL
+        # With user buffers the reduce-scatter sums (as upstream) and the shard is divided after it.
+        self._average_in_collective = self.average_grad_sync and self.redundant_size == 1 and nccl and not self.nccl_ub
+        self._nccl_pool = None
+        if self.nccl_ub:
+            if not nccl or self.device.type != "cuda":
+                raise RuntimeError(
+                    f"{name}: nccl_ub=True needs CUDA parameters and an NCCL distributed_process_group "
+                    f"(device={self.device}, backend {dist.get_backend(self.distributed_process_group)})"
+                )
+            try:
+                from apex.contrib import nccl_allocator
+            except ImportError as error:
+                raise RuntimeError(f"{name}: nccl_ub=True needs apex-contrib-nccl-allocator installed") from error
+            # RuntimeError saying why where PyTorch's NCCL backend offers no ncclMemAlloc allocator
+            self._nccl_pool = nccl_allocator.create_nccl_mem_pool()
 
         # Bucket geometry (upstream's rule): shards are multiples of 128 bytes of grad_sync_dtype.
         element_size = torch.finfo(grad_sync_dtype).bits // 8
@@ -414,12 +427,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 self._param_buckets[p].append(bucket)
         self._grad_buffer = None
         self._param_buffer = None
-        if self.contiguous_param_buffer:
-            self._make_param_buffer(num_buckets)
-        if self.contiguous_grad_buffer:
-            self._grad_buffer = torch.zeros(
-                num_buckets * self.bucket_size, dtype=self.grad_sync_dtype, device=self.device
-            )
+        self._shard_grad_buffer = None  # nccl_ub: where each bucket's reduce-scatter lands first
+        with self._user_buffers():
+            if self.contiguous_param_buffer:
+                self._make_param_buffer(num_buckets)
+            if self.contiguous_grad_buffer:
+                self._grad_buffer = torch.zeros(
+                    num_buckets * self.bucket_size, dtype=self.grad_sync_dtype, device=self.device
+                )
+            if self.nccl_ub:
+                self._shard_grad_buffer = torch.zeros(
+                    num_buckets * self.shard_size, dtype=self.grad_sync_dtype, device=self.device
+                )
         for bucket in self._buckets:
             bucket.exp_avg = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
             bucket.exp_avg_sq = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
@@ -446,6 +465,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             view = self._param_buffer[start:end].view(p.shape)
             view.copy_(p.detach())
             p.data = view
+
+    def _user_buffers(self):
+        """Allocations inside come from the NCCL pool (nccl_ub), registered again on exit; else nothing."""
+        if self._nccl_pool is None:
+            return contextlib.nullcontext()
+        from apex.contrib import nccl_allocator
+
+        return nccl_allocator.nccl_mem(self._nccl_pool, device=self.device, group=self.distributed_process_group)
 
     def _make_segments(self, bucket: _Bucket) -> None:
         lengths, slots, fragment_segments = [], [], []
@@ -531,7 +558,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return bucket.local_grads
 
     def _start_grad_sync(self, bucket: _Bucket) -> None:
-        output = torch.empty(self.shard_size, dtype=self.grad_sync_dtype, device=self.device)
+        if self._shard_grad_buffer is not None and bucket.grads_shard is None:
+            output = self._shard_grad_buffer[bucket.index * self.shard_size : (bucket.index + 1) * self.shard_size]
+        else:  # a later reduction of the same step is added to the shard
+            output = torch.empty(self.shard_size, dtype=self.grad_sync_dtype, device=self.device)
         op = dist.ReduceOp.AVG if self._average_in_collective else dist.ReduceOp.SUM
         work = _reduce_scatter(output, bucket.local_grads, op=op, group=self.distributed_process_group, async_op=True)
         bucket.grad_sync = (work, output)
