@@ -312,6 +312,8 @@ SCALER_CASES = {
     "bf16_fp32_master": PROBES["bf16_params_fp32_master"],
     "bf16_remainders": PROBES["bf16_params_remainders"],
     "bf16_state": PROBES["bf16_state"],
+    "bf16_scaled_states": PROBES["bf16_scaled_states"],
+    "fp16_scaled_states": dict(PROBES["fp16_scaled_states_tiny_grads"], grad_mult=1.0),
 }
 
 

@@ -505,15 +505,24 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         stored = getattr(bucket, _SCALED[which])
         return stored.float().mul_(self._per_element(bucket, bucket.scales[which]))
 
-    def _store_scaled(self, bucket: _Bucket, which: int, values: torch.Tensor) -> None:
+    def _store_scaled(self, bucket: _Bucket, which: int, values: torch.Tensor, keep=None) -> None:
         """Store fp32 ``values`` (a shard; overwritten) into the scaled state shard ``which``, with
-        new factors: each fragment's largest magnitude maps to ``scaled_state_peak(dtype)``."""
+        new factors: each fragment's largest magnitude maps to ``scaled_state_peak(dtype)``. Where
+        ``keep`` (a device bool: a skipped step) is set, the stored shard and factors stay as they
+        are (storing the same values again could move them by a rounding)."""
         peaks = torch.segment_reduce(values.abs(), "max", lengths=bucket.segment_lengths, unsafe=True)
         factors = bucket.scales[which]
-        factors[:-1] = peaks[bucket.fragment_segments] / scaled_state_peak(self.dtype)
+        new = torch.zeros_like(factors)
+        new[:-1] = peaks[bucket.fragment_segments] / scaled_state_peak(self.dtype)
         # a division, not a product with the inverse: the inverse of a small factor can overflow
-        divisors = torch.where(factors > 0, factors, 1.0)
-        getattr(bucket, _SCALED[which]).copy_(values.div_(self._per_element(bucket, divisors)))
+        stored = values.div_(self._per_element(bucket, torch.where(new > 0, new, 1.0)))
+        target = getattr(bucket, _SCALED[which])
+        if keep is None:
+            factors.copy_(new)
+            target.copy_(stored)
+        else:
+            factors.copy_(torch.where(keep, factors, new))
+            target.copy_(torch.where(keep, target, stored.to(target.dtype)))
 
     def _local_fragments(self, bucket: _Bucket):
         return [f for f in bucket.fragments if f.shard_range is not None]
@@ -866,8 +875,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     group["weight_decay"], lr_tensor, step,
                 )  # fmt: skip
         if self.with_scaled_states:
+            keep = None if found_inf is None else found_inf != 0
+            if keep is not None:
+                # a skipped step leaves the parameters as they are: the output is gathered into them,
+                # and the stored master read back may differ from them by a rounding
+                output.copy_(torch.where(keep, self._pack_params(bucket, output.dtype), output))
             for which, values in ((_MASTER, master), (_EXP_AVG, exp_avg), (_EXP_AVG_SQ, exp_avg_sq)):
-                self._store_scaled(bucket, which, values)
+                self._store_scaled(bucket, which, values, keep)
 
     # --- parameter all-gather ------------------------------------------------------------------
 
