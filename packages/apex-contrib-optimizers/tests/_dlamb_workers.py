@@ -43,9 +43,25 @@ def train_all(rank, world_size, configs, device="cpu"):
     return [train(rank, *config, device=device) for config in configs]
 
 
+def hierarchical(rank, world_size, configs):
+    """A dwu_group_size that does not divide the world size is refused on every rank (before any collective),
+    then ``configs`` trained as by :func:`train_all`."""
+    from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
+
+    try:
+        DistributedFusedLAMB([torch.nn.Parameter(torch.randn(3))], dwu_group_size=world_size - 1)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return refused, train_all(rank, world_size, configs)
+
+
 def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", device="cpu"):
-    """``scale_by``: "set_global_scale", "grad_scaler" (torch.amp.GradScaler.step) or "upstream_loop"."""
+    """``scale_by``: "set_global_scale", "grad_scaler" (torch.amp.GradScaler.step) or "upstream_loop".
+    Returns the final parameters, the step counter, the scaler's final scale, the last step's L2_grad_norm,
+    this rank's fp32 masters and the parameters after the first step."""
     params, opt = _build(rank, kwargs, device)
+    after_first = None
     scaler = None
     if scale_by == "grad_scaler":
         scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=loss_scale, growth_interval=1000)
@@ -67,6 +83,7 @@ def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", 
             opt.complete_reductions()
             opt.set_global_scale(scale)
             opt.step()
+            after_first = after_first or [p.detach().cpu().clone() for p in params]
             continue
         for p, g in zip(params, grads):
             p.grad = (g * scale).to(device)
@@ -79,8 +96,11 @@ def train(rank, kwargs, loss_scale, bad_step=None, scale_by="set_global_scale", 
             opt.complete_reductions()
             opt.step()
         opt.zero_grad()
+        after_first = after_first or [p.detach().cpu().clone() for p in params]
     final_scale = None if scaler is None else float(scaler.get_scale())
-    return [p.detach().cpu().clone() for p in params], int(opt._step.item()), final_scale
+    final = [p.detach().cpu().clone() for p in params]
+    masters = opt.state_dict()["fp32_p"].cpu()
+    return final, int(opt._step.item()), final_scale, float(opt.L2_grad_norm), masters, after_first
 
 
 def resume(rank, world_size):
@@ -107,10 +127,10 @@ def refuse(rank, world_size):
     from apex.contrib.optimizers.distributed_fused_lamb import DistributedFusedLAMB
 
     messages = []
-    for kwargs in (dict(e5m2_allgather=True), dict(dwu_group_size=3), dict(clip_after_ar=False),
-                   dict(skip_allgather=True), dict(dwu_num_blocks=0), dict(lr=-1.0)):  # fmt: skip
+    for kwargs in (dict(dwu_group_size=3), dict(e5m2_allgather=True, set_param_views_to_flat_buffer=True),
+                   dict(dwu_num_blocks=0), dict(lr=-1.0)):  # fmt: skip
         try:
             DistributedFusedLAMB([torch.nn.Parameter(torch.randn(3))], **kwargs)
-        except (NotImplementedError, ValueError) as error:
+        except ValueError as error:
             messages.append(str(error))
     return messages

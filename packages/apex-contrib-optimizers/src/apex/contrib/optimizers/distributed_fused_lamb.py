@@ -18,25 +18,30 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
     r"""LAMB over data-parallel ranks with ZeRO-style sharded state, as upstream's
     ``apex.contrib.optimizers.distributed_fused_lamb.DistributedFusedLAMB``.
 
-    The parameters that require grad are laid end to end in one flat buffer, padded to a multiple of
-    the world size; rank ``r`` owns the ``r``-th equal shard and keeps, for it only, fp32 master
-    weights and the two moments. A step:
+    The ranks form groups of ``dwu_group_size`` consecutive ranks (by default one group of all). The
+    parameters that require grad are laid end to end in one flat buffer, padded to a multiple of the
+    group size; the rank ``r``-th in its group owns the ``r``-th equal shard and keeps, for it only, fp32
+    master weights and the two moments (the same shard, with the same state, in every group). A step:
 
     1. the gradients (``.grad``, accumulated over any number of backward passes) are copied into a
-       flat buffer, divided by the world size and reduce-scattered (sum), so each rank holds the
-       averaged gradients of its shard (still multiplied by the loss scale ``global_scale``);
+       flat buffer, divided by the world size and reduce-scattered (sum) within the group, then (with
+       several groups) the shard is all-reduced across the groups, so each rank holds the averaged
+       gradients of its shard (still multiplied by the loss scale ``global_scale``);
     2. the global L2 norm of the averaged, scaled gradients is one all-reduce of the shards' squared
-       norms; when it is not finite the step is skipped on every rank (no state changes, the step
-       counter does not advance);
+       norms within the group; when it is not finite the step is skipped on every rank (no state
+       changes, the step counter does not advance);
     3. per parameter fragment of the shard, LAMB's update term (``distributed_lamb_cuda``'s first
        stage): gradients divided by ``global_scale`` and, when ``max_grad_norm > 0``, by
        ``max(1, (norm/scale + 1e-6) / max_grad_norm)``; Adam moments; ``u = m^/(sqrt(v^)+eps)``
        plus the decoupled decay (``adam_w_mode``) or with L2 decay on the gradient;
-    4. the per-parameter norms of the masters and of ``u`` (fragments' squared norms, all-reduced),
-       the trust ratio ``||p|| / ||u||`` for parameters with weight decay (all with ``use_nvlamb``),
-       ``p -= lr * ratio * u`` on the masters, rounded into this rank's shard of the flat parameter
-       buffer;
-    5. the flat parameter buffer is all-gathered and copied into the model's parameters.
+    4. the per-parameter norms of the masters and of ``u`` (fragments' squared norms, all-reduced within
+       the group), the trust ratio ``||p|| / ||u||`` for parameters with weight decay (all with
+       ``use_nvlamb``), ``p -= lr * ratio * u`` on the masters, rounded into this rank's shard of the
+       parameters (the model's dtype, or e5m2 bytes with ``e5m2_allgather``);
+    5. the shards are all-gathered within the group into the flat parameter buffer, which is copied
+       into the model's parameters (neither with ``skip_allgather``).
+
+    The hierarchical reduction gives the flat one's values (up to the order of the fp32 sums).
 
     Usage as upstream: ``set_global_scale(loss_scale)`` (default 1), backward, then ``step()``
     (``complete_reductions()`` may be called first, as upstream's training loops do; ``step`` calls
@@ -53,19 +58,37 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         overlap_reductions, dwu_num_blocks, dwu_num_chunks, dwu_num_rs_pg, dwu_num_ar_pg,
         dwu_num_ag_pg, fused_norm, full_ar, fuse_scale, nccl_allgather_channels: scheduling only.
             Upstream pipelines the reductions per block and chunk over several process groups and
-            streams during backward; here there is one schedule (one reduce-scatter after backward, one
-            all-gather after the update), which gives the same values, so these are accepted and
-            change nothing (``dwu_num_blocks``/``dwu_num_chunks`` must still be positive).
-        dwu_group_size: 0 or the world size (one reduction group, as on one node). Upstream's
-            hierarchical reduction (groups of ``dwu_group_size`` ranks, all-reduce across groups)
-            raises NotImplementedError.
-        e5m2_allgather: all-gather parameters as e5m2 bytes; not implemented, True raises.
+            streams during backward; here there is one schedule (one reduce-scatter, and all-reduce
+            across groups, after backward; one all-gather after the update), which gives the same
+            values, so these are accepted and change nothing (``dwu_num_blocks``/``dwu_num_chunks``
+            must still be positive). ``fused_norm`` (read by upstream only with ``clip_after_ar=False``)
+            computes the local norm while copying the gradients; here it is the same fp32 norm either way.
+        dwu_group_size: the size of the reduction groups, which must divide the world size (a
+            ValueError names it otherwise); 0 (or less) means one group of all ranks. With several
+            groups (upstream's multi-node setup), the gradients are reduce-scattered within each group
+            of ``dwu_group_size`` consecutive ranks and the shards all-reduced across the groups; the
+            norms are summed and the parameters all-gathered within the group. The groups are made with
+            ``torch.distributed.new_group`` by every rank, in one order, at construction.
+        e5m2_allgather: the shards are rounded to e5m2 (uint8 codes: the high byte of the float16,
+            rounded to nearest as upstream's ``fused_adam_cuda`` does), all-gathered as bytes, and the
+            model's parameters receive the e5m2 values (nothing is written when the step is skipped);
+            the fp32 masters keep full precision. Cannot be combined with
+            ``set_param_views_to_flat_buffer`` (a ValueError says so).
         verbose: print the buffer layout.
-        clip_after_ar: clip with the norm of the reduced gradients (upstream's default); False
-            (clip each rank's gradients before the reduction) raises NotImplementedError.
+        clip_after_ar: True (upstream's default): clip with the norm of the reduced (averaged)
+            gradients, as in step 3. False: upstream's clipping before the reduction: each rank
+            multiplies its own loss-scaled gradients by ``min(1, scale * max_grad_norm / (1e-6 +
+            local_norm))`` (``local_norm`` their L2 norm on this rank; a NaN coefficient counts as 1),
+            using the loss scale set at the time of the reduction, then they are averaged over the
+            ranks, and the update term only unscales (no second clipping). ``L2_grad_norm`` is then this
+            rank's local norm (it differs between ranks), and a non-finite local norm on any rank skips
+            the step on all of them.
         set_param_views_to_flat_buffer: make the model's parameters views into the flat parameter
             buffer, which the all-gather then writes directly.
-        skip_allgather: not implemented, True raises.
+        skip_allgather: the step updates the masters and this rank's shard of the 16-bit (or e5m2)
+            parameter copy, as usual, but neither all-gathers the shards nor writes the model's
+            parameters, which keep their values (with ``set_param_views_to_flat_buffer`` too); the
+            step counter, ``L2_grad_norm`` and the overflow report are as usual.
         param_order: a dict parameter -> position in the flat buffer (default: group order).
 
     Upstream's training loops work unchanged: ``_lazy_init_stage1()`` before backward (nothing to do
@@ -81,9 +104,21 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
     the gradients are copied into the flat buffer after backward (by ``_lazy_init_stage2``,
     ``zero_grad``, ``complete_reductions`` or ``step``, whichever comes first; a gradient hook notes
     that backward wrote them) rather than by per-block hooks during backward, and
-    ``set_is_accumulation_step`` only keeps ``zero_grad`` from gathering; ``set_last_step`` records its flag.
-    Runs on the CPU (gloo) and CUDA (NCCL); this package's LAMB ops have CUDA kernels (PyTorch references
-    on the CPU).
+    ``set_is_accumulation_step`` only keeps ``zero_grad`` from gathering; ``set_last_step`` records its
+    flag. The trust ratio's ``||p||`` is the norm of the fp32 masters (upstream takes the model's
+    parameters: their fp16 rounding, the e5m2 values with ``e5m2_allgather``, stale values with
+    ``skip_allgather``). ``dwu_group_size=0`` means the whole world (upstream: the number of visible
+    GPUs), and one that does not divide the world size raises (upstream leaves ranks out). With
+    ``clip_after_ar=False``: ``max_grad_norm <= 0`` disables the clipping (upstream's coefficient is
+    then 0, zeroing every gradient); the local norm and the coefficient stay fp32 (upstream rounds
+    them to fp16 unless ``fused_norm``, so a loss-scaled norm above 65504 becomes inf and skips the
+    step; with ``fused_norm`` on a model of fp16 and fp32 parameters its norm covers only the fp32
+    gradients); the coefficient is applied once (upstream without ``fuse_scale`` multiplies the whole
+    buffer again for each of its ``dwu_num_blocks`` blocks and, without ``fused_norm``, recomputes the
+    norm on the scaled buffer).
+    With ``skip_allgather`` the model's parameters are left alone (upstream still copies its
+    un-gathered parameter buffer into them: zeros until a first all-gather). Runs on the CPU (gloo)
+    and CUDA (NCCL); this package's LAMB ops have CUDA kernels (PyTorch references on the CPU).
     """
 
     def __init__(
@@ -124,20 +159,20 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{name} needs an initialized torch.distributed default process group")
         world = dist.get_world_size()
-        if dwu_group_size not in (0, world) and dwu_group_size > 0:
-            raise NotImplementedError(
-                f"{name}: dwu_group_size={dwu_group_size} (hierarchical reduction over groups of ranks) is not "
-                f"implemented; use 0 or the world size ({world})"
+        group_size = world if dwu_group_size <= 0 else int(dwu_group_size)
+        if world % group_size:
+            raise ValueError(
+                f"{name}: dwu_group_size={dwu_group_size} must divide the world size ({world}): the ranks are "
+                f"split into groups of dwu_group_size consecutive ranks (0 means one group of all ranks)"
             )
         for arg, value in (("dwu_num_blocks", dwu_num_blocks), ("dwu_num_chunks", dwu_num_chunks)):
             if value < 1:
                 raise ValueError(f"{name}: {arg} must be positive, got {value}")
-        if e5m2_allgather:
-            raise NotImplementedError(f"{name}: e5m2_allgather=True is not implemented")
-        if not clip_after_ar:
-            raise NotImplementedError(f"{name}: clip_after_ar=False (clipping before the reduction) is not implemented")
-        if skip_allgather:
-            raise NotImplementedError(f"{name}: skip_allgather=True is not implemented")
+        if e5m2_allgather and set_param_views_to_flat_buffer:
+            raise ValueError(
+                f"{name}: e5m2_allgather=True gathers uint8 e5m2 codes, which model parameters cannot be views of; "
+                f"it cannot be combined with set_param_views_to_flat_buffer=True"
+            )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,
@@ -163,11 +198,41 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         # Where the gradients are: written by backward since the last gather (_pending), copied into the
         # flat buffer (_gathered), reduce-scattered and not yet stepped on (_reduced).
         self._pending = self._gathered = self._reduced = False
+        self._e5m2_allgather = bool(e5m2_allgather)
+        self._clip_after_ar = bool(clip_after_ar)
+        self._skip_ag = bool(skip_allgather)
+        # Upstream reads fused_norm only when clipping before the reduction; it changes no value here.
+        self._fused_norm = bool(fused_norm) and not self._clip_after_ar
+        self._finite = None
         self._world_size = world
         self._rank = dist.get_rank()
+        self._make_groups(group_size)
         self._build(param_order)
 
     # layout -------------------------------------------------------------------------------------
+
+    def _make_groups(self, group_size: int) -> None:
+        """Upstream's hierarchy: groups of ``group_size`` consecutive ranks reduce-scatter the gradients,
+        all-gather the parameters and sum the norms (``_rs_pg``); the ranks holding the same shard in each
+        group (rank ``r``, ``r + group_size``, ...) all-reduce it (``_ar_pg``). One group: the default."""
+        world, rank = self._world_size, self._rank
+        self._group_size = group_size
+        self._num_groups = world // group_size
+        self._rank_in_group = rank % group_size
+        self._rs_pg = self._ar_pg = None
+        if self._num_groups == 1:
+            return
+        # Every rank creates every group, in the same order (torch.distributed.new_group's rule).
+        for g in range(self._num_groups):
+            ranks = list(range(g * group_size, (g + 1) * group_size))
+            pg = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                self._rs_pg = pg
+        for j in range(group_size):
+            ranks = list(range(j, world, group_size))
+            pg = dist.new_group(ranks=ranks)
+            if rank in ranks:
+                self._ar_pg = pg
 
     def _build(self, param_order) -> None:
         entries = []  # (position, param, group index)
@@ -199,18 +264,25 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             total += p.numel()
         self._offsets = offsets
         self._net_total_param_size = total
-        self._shard_size = -(-total // self._world_size)
-        self._total_param_size = self._shard_size * self._world_size
-        shard_start = self._rank * self._shard_size
+        self._shard_size = -(-total // self._group_size)
+        self._total_param_size = self._shard_size * self._group_size
+        shard_start = self._rank_in_group * self._shard_size
         shard_end = shard_start + self._shard_size
 
         # Every rank starts from rank 0's parameters, as upstream.
         with torch.no_grad():
             for p in params:
                 dist.broadcast(p.data, 0)
-        self._new_params = torch.zeros(self._total_param_size, dtype=self._flat_dtype, device=self._device)
+        flat = torch.zeros(self._total_param_size, dtype=self._flat_dtype, device=self._device)
         for p, offset in zip(params, offsets):
-            self._new_params[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+        self._fp32_p = flat[shard_start:shard_end].float().clone()
+        # The all-gathered parameters (upstream's _new_params) and this rank's shard of them, which the step
+        # writes (upstream's _fp16_p): the model's dtype, or uint8 e5m2 codes with e5m2_allgather.
+        if self._e5m2_allgather:
+            flat = _ops.to_e5m2(flat)
+        self._new_params = flat
+        self._param_shard = flat[shard_start:shard_end].clone()
         if self._set_flat_param_view:
             if any(p.dtype != self._flat_dtype for p in params):
                 raise TypeError(
@@ -218,7 +290,6 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                 )
             for p, offset in zip(params, offsets):
                 p.data = self._new_params[offset : offset + p.numel()].view_as(p)
-        self._fp32_p = self._new_params[shard_start:shard_end].float().clone()
         self._fp32_m = torch.zeros_like(self._fp32_p)
         self._fp32_v = torch.zeros_like(self._fp32_p)
         self._fp32_u = torch.zeros_like(self._fp32_p)
@@ -240,7 +311,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             for name, buf in (("p", self._fp32_p), ("m", self._fp32_m), ("v", self._fp32_v), ("u", self._fp32_u))
         }
         self._shard_views["g"] = [self._shard_grads[s : s + n] for _, s, n in fragments]
-        self._shard_views["p_copy"] = [self._new_params[shard_start + s : shard_start + s + n] for _, s, n in fragments]
+        self._shard_views["p_copy"] = [self._param_shard[s : s + n] for _, s, n in fragments]
         for p in params:
             # Backward marks the gradients as new: zero_grad() before complete_reductions() (as upstream's
             # loops may call it, its hooks having copied the gradients during backward) gathers them first.
@@ -248,7 +319,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if self._verbose:
             print(
                 f"DistributedFusedLAMB rank {self._rank}: {len(params)} params, {total} elements, "
-                f"shard {self._shard_size} ({len(fragments)} fragments)"
+                f"shard {self._shard_size} ({len(fragments)} fragments), {self._num_groups} group(s) of "
+                f"{self._group_size} rank(s)"
             )
 
     def _per_fragment(self, fn, dtype=torch.float32):
@@ -267,7 +339,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
 
     @property
     def L2_grad_norm(self):
-        """The global L2 norm of the last step's averaged (still loss-scaled) gradients, a device tensor."""
+        """The global L2 norm of the last step's averaged (still loss-scaled) gradients, a device tensor;
+        with ``clip_after_ar=False``, the norm of this rank's own gradients before the reduction."""
         return self._L2_grad_norm
 
     def _mark_pending(self, param) -> None:
@@ -306,19 +379,49 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
 
     @torch.no_grad()
     def complete_reductions(self):
-        """Reduce-scatter the averaged gradients and compute their global norm (once per step: a second
-        call before ``step`` with no backward in between does nothing)."""
+        """Reduce-scatter the averaged gradients and compute their norm (once per step: a second call before
+        ``step`` with no backward in between does nothing). With ``clip_after_ar=False`` each rank's
+        gradients are first clipped by their own norm, using the loss scale set at this point."""
+        self._reduce(None)
+
+    def _reduce(self, grad_scaler) -> None:
         if self._reduced and not self._pending:
             return
         if self._pending or not self._gathered:  # gradients assigned directly, or new since the last gather
             self._gather_grads()
         self._gathered = False
-        self._flat_grads.div_(self._world_size)
-        _reduce_scatter(self._shard_grads, self._flat_grads)
-        norm_sq = self._shard_grads.float().square().sum().reshape(1)
-        dist.all_reduce(norm_sq)
-        self._L2_grad_norm = norm_sq.sqrt()
+        if self._clip_after_ar:
+            self._flat_grads.div_(self._world_size)
+            self._reduce_shard()
+            norm_sq = self._shard_grads.float().square().sum().reshape(1)
+            dist.all_reduce(norm_sq, group=self._rs_pg)  # the shards of one group cover the buffer once
+            self._L2_grad_norm = norm_sq.sqrt()
+            self._finite = torch.isfinite(self._L2_grad_norm)
+        else:
+            # Upstream's clipping before the reduction: this rank's own (loss-scaled, unreduced) gradients
+            # are scaled by min(1, scale * max_grad_norm / (1e-6 + their norm)) (1 when that is NaN), then
+            # averaged over the ranks. L2_grad_norm is this rank's local norm; a non-finite one on any rank
+            # skips the step on all of them.
+            local = torch.linalg.vector_norm(self._flat_grads, dtype=torch.float32).reshape(1)
+            self._L2_grad_norm = local
+            factor = torch.full((1,), 1.0 / self._world_size, dtype=torch.float32, device=self._device)
+            max_grad_norm = float(self.defaults["max_grad_norm"])
+            if max_grad_norm > 0:
+                coeff = self._scale_tensor(grad_scaler) * max_grad_norm / (1e-6 + local)
+                factor = torch.where(coeff <= 1, coeff, 1.0) / self._world_size
+            self._flat_grads.mul_(factor)
+            bad = (~torch.isfinite(local)).int()
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+            self._finite = bad == 0
+            self._reduce_shard()
         self._reduced = True
+
+    def _reduce_shard(self) -> None:
+        """The sum over all ranks of this rank's shard of the flat gradients: a reduce-scatter within the
+        group, then (several groups) an all-reduce across the groups."""
+        _reduce_scatter(self._shard_grads, self._flat_grads, group=self._rs_pg)
+        if self._ar_pg is not None:
+            dist.all_reduce(self._shard_grads, group=self._ar_pg)
 
     def _norms(self, shard: torch.Tensor) -> torch.Tensor:
         """Per parameter, the L2 norm over all ranks of ``shard``'s fragments."""
@@ -326,7 +429,7 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
         if self._fragments:
             parts = torch.stack([shard[s : s + n].square().sum() for _, s, n in self._fragments])
             squares.index_add_(0, self._fragment_param, parts)
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self._rs_pg)
         return squares.sqrt()
 
     def _scale_tensor(self, grad_scaler) -> torch.Tensor:
@@ -360,10 +463,10 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._reduced:
-            self.complete_reductions()
+            self._reduce(grad_scaler)
         self._reduced = False
         norm = self._L2_grad_norm
-        finite = torch.isfinite(norm)
+        finite = self._finite
         self._overflow_buf.copy_((~finite).int())
         self._step.add_(finite.int())
         scale = self._scale_tensor(grad_scaler)
@@ -387,7 +490,8 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                 self._per_fragment(lambda g: g["weight_decay"]),
                 scale,
                 norm,
-                float(self.defaults["max_grad_norm"]),
+                # Clipped before the reduction: the kernel only unscales (upstream passes 0 too).
+                float(self.defaults["max_grad_norm"]) if self._clip_after_ar else 0.0,
             )
         param_norms = self._norms(self._fp32_p)
         update_norms = self._norms(self._fp32_u)
@@ -408,11 +512,17 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                     norm,
                     self._use_nvlamb,
                 )
-        shard_start = self._rank * self._shard_size
-        _all_gather(self._new_params, self._new_params[shard_start : shard_start + self._shard_size].clone())
-        if not self._set_flat_param_view:
-            for p, offset in zip(self._model_params, self._offsets):
-                p.copy_(self._new_params[offset : offset + p.numel()].view_as(p))
+        if not self._skip_ag:
+            _all_gather(self._new_params, self._param_shard, group=self._rs_pg)
+            if not self._set_flat_param_view:
+                skipped = self._overflow_buf.reshape(()) != 0
+                for p, offset in zip(self._model_params, self._offsets):
+                    gathered = self._new_params[offset : offset + p.numel()].view_as(p)
+                    if self._e5m2_allgather:
+                        # The e5m2-rounded values, unless the step was skipped (upstream's maybe_cast).
+                        p.copy_(torch.where(skipped, p, _ops.from_e5m2(gathered).to(p.dtype)))
+                    else:
+                        p.copy_(gathered)
         if grad_scaler is not None:
             state = grad_scaler._per_optimizer_states[id(self)]
             state["found_inf_per_device"][self._device] = self._overflow_buf.float()
@@ -426,13 +536,17 @@ class DistributedFusedLAMB(torch.optim.Optimizer):
                 "fp32_v": self._fp32_v.clone()}  # fmt: skip
 
     def load_state_dict(self, state_dict):
-        """Restores what :meth:`state_dict` saved on this rank (same world size and layout)."""
+        """Restores what :meth:`state_dict` saved on this rank (same world size, dwu_group_size and layout)."""
         for key in ("fp32_p", "fp32_m", "fp32_v"):
             saved = state_dict[key]
             if saved.numel() != self._shard_size:
                 raise ValueError(
                     f"DistributedFusedLAMB.load_state_dict: {key} has {saved.numel()} elements, this rank's shard "
-                    f"{self._shard_size} (another world size or parameter layout)"
+                    f"{self._shard_size} (another world size, dwu_group_size or parameter layout)"
                 )
             getattr(self, "_" + key).copy_(saved)
         self._step.copy_(state_dict["step"].reshape(1))
+        # This rank's shard of the gathered parameters follows the loaded masters (a skipped next step
+        # all-gathers it as it is).
+        masters = self._fp32_p
+        self._param_shard.copy_(_ops.to_e5m2(masters) if self._e5m2_allgather else masters.to(self._flat_dtype))
