@@ -53,7 +53,12 @@ class Args:
     """An op call's arguments by schema name (``a.params``, ``a.lr``), and ``a.op``, its name."""
 
     def __init__(self, values: dict):
-        self.__dict__.update(values)
+        if torch.compiler.is_compiling():
+            # Dynamo before torch 2.12 cannot trace __dict__.update on a user object; setattr it can
+            for key, value in values.items():
+                setattr(self, key, value)
+        else:
+            self.__dict__.update(values)
 
     def __repr__(self) -> str:
         return f"Args({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items() if k != 'op')})"

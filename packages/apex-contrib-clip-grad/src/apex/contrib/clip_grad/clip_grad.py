@@ -61,6 +61,21 @@ def _group_norm(group) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.float32))).reshape(1)
 
 
+def _torch_total_norm(tensors, norm_type: float, foreach) -> torch.Tensor:
+    """PyTorch's total norm of ``tensors`` (``torch.nn.utils.get_total_norm``): each tensor's norm,
+    then the norm of those on the first tensor's device. Composed here where that function is
+    missing (torch < 2.6) or under torch.compile, where Dynamo before torch 2.10 cannot trace its
+    grouping of the tensors by device and dtype."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None and not torch.compiler.is_compiling():
+        return get_total_norm(tensors, norm_type, False, foreach)
+    if not tensors:
+        return torch.tensor(0.0)
+    first = tensors[0].device
+    norms = [torch.linalg.vector_norm(t, norm_type).to(first) for t in tensors]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 def _total_norm(grads, groups, others, flags, norm_type: float, foreach) -> tuple[torch.Tensor, torch.Tensor]:
     """(the norm to return, in torch's dtype; the norm to clip with, as accurate as computed).
 
@@ -72,7 +87,7 @@ def _total_norm(grads, groups, others, flags, norm_type: float, foreach) -> tupl
     float32 (float64 with float64 gradients) value.
     """
     if norm_type != 2.0:
-        total = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+        total = _torch_total_norm(grads, norm_type, foreach)
         return total, total
     norms = [
         _group_norm(group)
@@ -82,7 +97,7 @@ def _total_norm(grads, groups, others, flags, norm_type: float, foreach) -> tupl
     ]
     dtypes = [dtype for _, dtype in groups]
     if others:
-        rest = torch.nn.utils.get_total_norm(others, norm_type, False, foreach)
+        rest = _torch_total_norm(others, norm_type, foreach)
         norms.append(rest.reshape(1))
         dtypes.append(rest.dtype)
     result_dtype = functools.reduce(torch.promote_types, dtypes)
