@@ -300,7 +300,8 @@ def conv_frozen_scale_bias_relu_backward(a):
 
 
 def _no_double_backward(grad: torch.Tensor) -> None:
-    if grad.requires_grad:
+    # (not read while Dynamo traces the backward: torch 2.6's refuses .requires_grad there)
+    if not torch.compiler.is_compiling() and grad.requires_grad:
         raise RuntimeError("conv_bias_relu: a second derivative is not supported")
 
 

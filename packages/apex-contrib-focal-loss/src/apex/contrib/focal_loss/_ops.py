@@ -223,7 +223,8 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad_loss, _grad_partial):
     partial_grad, num_positives_sum, loss = ctx.saved_tensors
-    if grad_loss.requires_grad:
+    # (not read while Dynamo traces the backward: torch 2.6's refuses .requires_grad there)
+    if not torch.compiler.is_compiling() and grad_loss.requires_grad:
         raise RuntimeError("focal_loss: a second derivative is not supported")
     grad_loss = grad_loss.reshape(())
     grad_input = None
