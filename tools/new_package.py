@@ -153,7 +153,7 @@ version = "${version}"
 description = "apex ${module}: ${description}"
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["apex-core==${version}", "torch>=2.4"]
+dependencies = ["apex-core==${version}", "torch>=2.6"]
 
 [project.entry-points."apex.plugins"]
 ${plugin} = "${import_path}._plugin:PLUGIN"
@@ -178,7 +178,7 @@ version = "${version}"
 description = "apex ${module}: ${description}"
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["apex-core==${version}", "torch>=2.4"]
+dependencies = ["apex-core==${version}", "torch>=2.6"]
 
 [project.entry-points."apex.plugins"]
 ${plugin} = "${import_path}._plugin:PLUGIN"

@@ -6,8 +6,24 @@ fakes; no kernel is loaded or compiled until a CUDA tensor first reaches one.
 
 from __future__ import annotations
 
-from apex.core import _ops  # noqa: F401  (registers torch.ops.apex_core.*)
-from apex.core._version import __version__
+import warnings as _warnings
+
+import torch as _torch
+
+# The oldest PyTorch the whole CPU test suite passes on (2.6.0; also 2.9.1 and 2.13.0; the GPU tests
+# ran on 2.11). On 2.4, amp's state-dict hooks and compiled in-place list ops fail.
+MIN_TORCH = (2, 6)
+# major.minor only: NVIDIA's containers ship pre-releases such as 2.6.0a0+<hash>.nv25.01
+if tuple(int(part) for part in _torch.__version__.split(".")[:2]) < MIN_TORCH:
+    _warnings.warn(
+        f"apex is tested with PyTorch >= {'.'.join(map(str, MIN_TORCH))}; this is {_torch.__version__}, "
+        "on which parts of it fail",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+from apex.core import _ops  # noqa: E402, F401  (registers torch.ops.apex_core.*)
+from apex.core._version import __version__  # noqa: E402
 
 __all__ = ["__version__", "flatten", "get_include", "plugins", "report", "status", "unflatten"]
 

@@ -99,15 +99,17 @@ def _child(rank, world_size, backend, store_file, path, function, args, results,
         phase = "run"
         try:
             value = getattr(_load(path), function)(rank, world_size, *args)
-            # Every rank leaves together: on torch 2.6 a gloo rank's destroy_process_group waited
-            # forever once its peer had destroyed its own and exited. Best effort: a group that a
-            # test broke on purpose (a stalled or dead peer) fails the barrier, and the value stands.
+            # Every rank leaves together. Best effort: a group that a test broke on purpose (a
+            # stalled or dead peer) fails the barrier, and the value stands.
             try:
                 torch.distributed.barrier()
             except Exception:
                 pass
         finally:
-            torch.distributed.destroy_process_group()
+            # A gloo group is left to the process's exit: on torch 2.6 a rank's
+            # destroy_process_group could wait forever once its peer had destroyed its own and gone.
+            if backend == "nccl":
+                torch.distributed.destroy_process_group()
         # Plain pickle: tensors travel by value. (The queue's own pickler would pass them as
         # shared-memory handles, which die with this process.)
         results.put((rank, True, "run", pickle.dumps(value)))
