@@ -83,8 +83,9 @@ def measure(batch: int, sizes: list[int], dtype, samples: int) -> tuple[list[str
 
     ms = compare_ms({"ours": calls(mlp), "eager": calls(eager), "compiled": calls(compiled)}, samples)
     ours, eager_ms, compiled_ms = ms["ours"], ms["eager"], ms["compiled"]
-    tflops = step_flops(batch, sizes) / (ours * 1e-3) / 1e12
-    needed = step_flops(batch, sizes) / (eager_ms / EAGER_BAR * 1e-3) / 1e12
+    flops = step_flops(batch, sizes)
+    tflops = flops / (ours * 1e-3) / 1e12
+    needed = flops / (eager_ms / EAGER_BAR * 1e-3) / 1e12
     row = [f"{ours:.3f}", f"{eager_ms:.3f}", f"{compiled_ms:.3f}", f"{eager_ms / ours:.2f}x",
            f"{compiled_ms / ours:.2f}x", f"{tflops:.0f}"]  # fmt: skip
     return row, tflops, eager_ms / ours, needed
