@@ -42,7 +42,9 @@ SHAPES = [
 SMALL_SHAPES = [SHAPES[i] for i in (1, 3, 5, 6, 7, 9)]
 # More rows than one wave of blocks holds on an H200: blocks walk several tiles, and the weight
 # and bias gradients are added from many partial rows.
-MANY_ROWS = [((8192, 1024), 1), ((1536, 8192), 1)]
+# (4099, 768) and (4099, 512): 16-bit and float32 rows of 96 and 128 vectors, with rows enough
+# for the backward's one-warp rows (at least 16 per SM), the last tile part full.
+MANY_ROWS = [((8192, 1024), 1), ((1536, 8192), 1), ((4099, 768), 1), ((4099, 512), 1)]
 # On CUDA only (the CPU reference adds nothing): bfloat16 rows of 8192 elements fill two row
 # groups per block exactly, so an even number of rows takes the unchecked backward kernel and an
 # odd number the checked one (float32 rows of 8192 are one group per block: unchecked either way).

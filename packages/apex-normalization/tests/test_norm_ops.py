@@ -74,7 +74,7 @@ def test_the_functions_record_one_node(device):
     AF.fused_layer_norm_affine(x, w, None, 64)  # on CUDA the first call loads the library
     out = AF.fused_layer_norm_affine(x, w, None, 64)
     out2, total = AF.fused_add_rms_norm_affine(x, torch.randn_like(x), w, 64)
-    names = type(out.grad_fn).__name__, out2.grad_fn.name()
+    names = out.grad_fn.name(), out2.grad_fn.name()  # type(node).__name__ is "CppFunction" on torch 2.11
     if torch.device(device).type == "cuda":
         assert "CppNode" in names[0] and "NormForward" in names[0], names
         assert "CppNode" in names[1] and "AddNormForward" in names[1], names

@@ -43,6 +43,12 @@ constexpr int kBackwardVecs = 2;
 // more partial rows).
 constexpr int kLongRowVecs = 4;
 constexpr int64_t kLongRowVectors = 1024;
+// Short rows of 65 to 128 vectors (520 to 1024 16-bit elements: GPT-2's 768, hidden 1024) take
+// kLongRowVecs vectors per thread too, one warp a row and 16 rows a block, where 2 vectors per
+// thread gave them two warps (a named barrier per row reduction, and at 768 a quarter of the
+// threads idle): 53.9 -> 38.7 us at 16384 x 768 (layer norm, residual form), 68.6 -> 52.1 at
+// 16384 x 1024 (H100, benchmarks/NOTES.md). Only with rows enough for a tile of 16 per SM: with
+// fewer (1024 x 1024) the two-warp rows, twice the tiles, were faster.
 // Threads per block: several row groups per block keep the number of partial rows low (256 and
 // 1024 measured no faster).
 constexpr int kBackwardBlock = 512;
@@ -478,7 +484,8 @@ BackwardKernelFn<T, W, O, kEfficient> backward_kernel(const BackwardPlan& plan) 
 // it cannot (misaligned rows, hidden not whole vectors, rows longer than the registers hold, or
 // column accumulators larger than a block's shared memory): norm_backward_streaming.cu then does.
 // Also sets the dynamic shared memory attributes of the kernels it weighs.
-// - vecs: kLongRowVecs for rows of at least kLongRowVectors vectors, else kBackwardVecs.
+// - vecs: kLongRowVecs for rows of at least kLongRowVectors vectors, and for rows of 65 to 128
+//   vectors when there are at least 16 rows per SM (one warp a row); else kBackwardVecs.
 // - whole: rows that fill their groups exactly, every tile full, with a weight (see
 //   backward_kernel for the instantiations built).
 // - prefetch: where blocks walk over several tiles (more tiles than the grid holds at once) and
@@ -498,7 +505,9 @@ std::optional<BackwardPlan> plan_backward(const BackwardParams<T, W, O, S>& p, b
   }
 
   BackwardPlan plan{};
-  plan.vecs = vectors >= kLongRowVectors ? kLongRowVecs : kBackwardVecs;
+  const bool short_warp_rows = vectors > kWarp * kBackwardVecs && vectors <= kWarp * kLongRowVecs &&
+                               ceil_div(p.rows, static_cast<int64_t>(kBackwardBlock / kWarp)) >= sm_count();
+  plan.vecs = vectors >= kLongRowVectors || short_warp_rows ? kLongRowVecs : kBackwardVecs;
   plan.group_threads = group_threads_for(vectors, plan.vecs);
   const int groups = plan.group_threads <= kWarp
                          ? kBackwardBlock / plan.group_threads
