@@ -20,7 +20,6 @@ the bar asks for GEMMs faster than the 8192^3 product.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -188,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         verdicts += more_verdicts
         torch.cuda.empty_cache()
     notes = [f"bf16 matmul rate (torch.mm 8192^3, same run): {matmul:.0f} TFLOP/s"]
-    tune = os.environ.get("APEX_CUBLASLT_TUNE", "")
-    notes.append(f"APEX_CUBLASLT_TUNE={tune!r} (1: cuBLASLt's candidate algorithms timed, the fastest kept)")
     return finish("bench_fused_dense", HEADER, rows, verdicts, out=args.out, notes=notes)
 
 

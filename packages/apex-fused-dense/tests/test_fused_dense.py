@@ -4,16 +4,13 @@ initialisation as nn.Linear, bad input naming the argument, opcheck, torch.compi
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from apex.core import loader
-from apex.core.testing import graph_reaches, rerun_gpu_tests
+from apex.core.testing import graph_reaches
 from apex.fused_dense import (
     FusedDense,
     FusedDenseGeluDense,
@@ -201,9 +198,8 @@ def test_epilogue_switches_keep_the_results(monkeypatch, variable, names):
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_of_a_new_problem():
-    # A shape first met inside a capture: the runner takes the heuristic's first algorithm there
-    # (with APEX_CUBLASLT_TUNE set it cannot time candidates while capturing) and the replay
-    # gives the eager result.
+    # A shape first met inside a capture (the runner asks cuBLASLt's heuristic there, and caches
+    # its answer): the replay gives the eager result.
     torch.manual_seed(0)
     layer = FusedDenseGeluDense(64, 192, 48).cuda()
     x = torch.randn(40, 64, device="cuda", requires_grad=True)
@@ -219,17 +215,6 @@ def test_cuda_graph_capture_of_a_new_problem():
     (eager_dx,) = torch.autograd.grad(eager, x2, dy)
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(dx, eager_dx)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(bool(os.environ.get("APEX_CUBLASLT_TUNE")), reason="this process tunes already")
-def test_tuned_algorithms_keep_the_results():
-    # APEX_CUBLASLT_TUNE=1: apex-core's runner times the heuristic's candidates (on scratch outputs,
-    # the caller's D and aux untouched; accumulating GEMMs included) and keeps the fastest. The
-    # GEMM tests of this package again in a process that tunes.
-    here = Path(__file__).parent
-    select = "float64 or bias_gradients or epilogue or capture or accumulates or stream or unaligned"
-    rerun_gpu_tests([here / "test_fused_dense.py", here / "test_wgrad_accum.py"], select, {"APEX_CUBLASLT_TUNE": "1"})
 
 
 def test_gelu_forward_keeps_the_pre_activation(device):

@@ -15,7 +15,6 @@ the bar asks for GEMMs faster than the 8192^3 product.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 
 import torch
@@ -107,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([*case, *cells, f"{100 * tflops / peak:.0f}%", f"{100 * needed / peak:.0f}%"])
         verdicts.append(verdict(f"{' '.join(case)}: forward+backward, eager / ours", speedup, EAGER_BAR))
     notes = [f"bf16 matmul rate ({MATMUL_SIZE}^3 torch.mm): {peak:.0f} TFLOP/s"]
-    tune = os.environ.get("APEX_CUBLASLT_TUNE", "")
-    notes.append(f"APEX_CUBLASLT_TUNE={tune!r} (1: cuBLASLt's candidate algorithms timed, the fastest kept)")
     return finish("bench_mlp", HEADER, rows, verdicts, out=args.out, notes=notes)
 
 

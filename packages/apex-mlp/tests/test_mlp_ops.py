@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from apex.core import loader
-from apex.core.testing import rerun_gpu_tests
 from apex.mlp import _ops
 from apex.mlp._plugin import KERNELS
 
@@ -328,16 +325,6 @@ def test_torch_compile_fullgraph(device):
         results.append((value.detach(), *torch.autograd.grad(value, params)))
     for got, expected in zip(results[1], results[0]):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(bool(os.environ.get("APEX_CUBLASLT_TUNE")), reason="this process tunes already")
-def test_tuned_algorithms_keep_the_results():
-    # APEX_CUBLASLT_TUNE=1: apex-core's runner times the heuristic's candidates on scratch outputs
-    # (a relu mask's aux in bits included) and keeps the fastest. This file's GEMM tests again in a
-    # process that tunes.
-    select = "float64 or bias_gradients or masks or unaligned or without"
-    rerun_gpu_tests([Path(__file__)], select, {"APEX_CUBLASLT_TUNE": "1"})
 
 
 @pytest.mark.gpu

@@ -16,10 +16,6 @@ Worker functions live in the test file itself: test modules are imported under n
 child process cannot import, so the child loads the file by path instead. With ``backend
 ="nccl"`` rank r uses ``cuda:r``.
 
-``rerun_gpu_tests(files, select, env)`` runs the GPU tests of test files that ``select`` (pytest's
-``-k``) picks again, in a fresh Python with ``env`` added to its environment: for settings a
-library reads once per process.
-
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
 """
@@ -32,7 +28,6 @@ import os
 import pickle
 import queue as queue_module
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -78,18 +73,6 @@ def load_example(name: str, start: str | Path):
         if path.is_file():
             return _load(str(path))
     return None
-
-
-def rerun_gpu_tests(files: list[str | Path], select: str, env: dict[str, str], timeout: float = 900) -> None:
-    """Runs the ``gpu`` tests of ``files`` whose names match ``select`` (pytest ``-k``) in a fresh Python
-    with ``env`` added to the environment; raises AssertionError with pytest's output when one fails or
-    none ran (pytest's exit status 5)."""
-    command = [sys.executable, "-m", "pytest", *map(str, files), "-q", "-m", "gpu", "-k", select]
-    command += ["-p", "no:cacheprovider", "-p", "no:xdist"]
-    done = subprocess.run(
-        command, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout, check=False
-    )
-    assert done.returncode == 0, f"{' '.join(command)} with {env}: exit status {done.returncode}\n{done.stdout[-6000:]}"
 
 
 def _child(rank, world_size, backend, store_file, path, function, args, results, collective_timeout) -> None:

@@ -148,9 +148,7 @@ struct CachedAlgo {
   cublasLtMatmulAlgo_t algo = {};
 };
 
-// Returns whether an algorithm exists; `query(algo, &keep)` asks the heuristic (returns found) on a
-// miss, and clears keep for an answer not to remember (a first choice made during graph capture,
-// where the candidates cannot be timed).
+// Returns whether an algorithm exists; `query(algo)` asks the heuristic (returns found) on a miss.
 template <typename Query>
 bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t* algo, Query&& query) {
   static std::mutex mutex;
@@ -164,41 +162,13 @@ bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t* algo, Query&& query) 
     }
   }
   CachedAlgo entry;
-  bool keep = true;
-  entry.found = query(&entry.algo, &keep);
-  if (!keep) {
-    *algo = entry.algo;
-    return entry.found;
-  }
+  entry.found = query(&entry.algo);
   const std::lock_guard<std::mutex> lock(mutex);
   cache.emplace(key, entry);
   *algo = entry.algo;
   return entry.found;
 }
 
-
-// APEX_CUBLASLT_TUNE=1 (read once per process): on a problem's first GEMM, time up to kTuneCandidates
-// of the heuristic's algorithms (kTuneRuns runs each, after one warm-up, on scratch outputs, on the
-// current stream) and keep the fastest for the process, where otherwise the heuristic's first is
-// kept (as PyTorch's cuBLASLt calls do). Off by default: the choice follows timings, so two
-// processes may pick different algorithms, and results may differ in the last bits between runs.
-// Not while the stream is being captured into a CUDA graph (the heuristic's first then serves, not
-// remembered) nor under torch.use_deterministic_algorithms.
-constexpr int kTuneCandidates = 8;
-constexpr int kTuneRuns = 3;
-
-inline bool tune_requested() {
-  static const bool on = [] {
-    const char* v = std::getenv("APEX_CUBLASLT_TUNE");
-    return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
-  }();
-  return on;
-}
-
-inline bool stream_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  return cudaStreamIsCapturing(stream, &status) != cudaSuccess || status != cudaStreamCaptureStatusNone;
-}
 
 // ---------------------------------------------------------------------------------------------
 // The runner
@@ -378,88 +348,29 @@ class Runner {
                          d_type,        compute,       align_a,   align_b,   align_d,
                          g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), 0};
     cublasLtMatmulAlgo_t algo = {};
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    const float alpha = 1.0f;
-    const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out, bool* keep) {
-      const bool tune = tune_requested() && !at::globalContext().deterministicAlgorithms();
-      const bool capturing = tune && stream_capturing(stream);
-      std::array<cublasLtMatmulHeuristicResult_t, kTuneCandidates> heuristics = {};
+    const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
+      cublasLtMatmulHeuristicResult_t heuristic = {};
       int count = 0;
       if (cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(),
-                                         layout_d.get(), pref.get(), tune && !capturing ? kTuneCandidates : 1,
-                                         heuristics.data(), &count) != CUBLAS_STATUS_SUCCESS ||
+                                         layout_d.get(), pref.get(), 1, &heuristic, &count) != CUBLAS_STATUS_SUCCESS ||
           count == 0) {
         return false;
       }
-      *out = heuristics[0].algo;
-      if (capturing) *keep = false;  // tuned at the first call outside a capture
-      if (count > 1) *out = heuristics[fastest(g, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(), d_dtype,
-                                               heuristics.data(), count, stream)]
-                                .algo;
+      *out = heuristic.algo;
       return true;
     });
     if (!found) return false;
 
-    const cublasStatus_t status =
-        cublasLtMatmul(handle, desc.get(), &alpha, g.a, layout_a.get(), g.b, layout_b.get(), &g.beta, g.d,
-                       layout_d.get(), g.d, layout_d.get(), &algo, workspace(), kWorkspaceBytes, stream);
-    return status == CUBLAS_STATUS_SUCCESS;
-  }
-
- private:
-  void* workspace() {
     if (!workspace_.defined()) {
       workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
     }
-    return workspace_.data_ptr();
+    const float alpha = 1.0f;
+    return cublasLtMatmul(handle, desc.get(), &alpha, g.a, layout_a.get(), g.b, layout_b.get(), &g.beta, g.d,
+                          layout_d.get(), g.d, layout_d.get(), &algo, workspace_.data_ptr(), kWorkspaceBytes,
+                          c10::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
   }
 
-  // The index of the fastest of `count` candidates for g (see tune_requested): each runs once to
-  // warm up, then kTuneRuns times between two events, writing scratch copies of D and of the
-  // epilogue's aux output (g's own are not touched; A, B and the bias are only read). A candidate
-  // cuBLASLt refuses at launch is skipped; the heuristic's first wins ties and every failure.
-  int fastest(const Gemm& g, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t layout_a,
-              cublasLtMatrixLayout_t layout_b, cublasLtMatrixLayout_t layout_d, c10::ScalarType d_dtype,
-              const cublasLtMatmulHeuristicResult_t* candidates, int count, cudaStream_t stream) {
-    const auto options = at::TensorOptions().device(device_);
-    const at::Tensor scratch_d = at::zeros({g.ldd * g.n}, options.dtype(d_dtype));
-    at::Tensor scratch_aux;
-    if (g.aux != nullptr) {
-      // Bits of a RELU mask (aux_ld in bits), 16- or 32-bit elements otherwise: at most aux_ld * n
-      // floats either way.
-      scratch_aux = at::empty({g.aux_ld * g.n}, options.dtype(at::kFloat));
-      if (!detail::set(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, scratch_aux.data_ptr())) return 0;
-    }
-    cudaEvent_t start = nullptr, stop = nullptr;
-    int best = 0;
-    float best_ms = std::numeric_limits<float>::infinity();
-    if (cudaEventCreate(&start) == cudaSuccess && cudaEventCreate(&stop) == cudaSuccess) {
-      cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
-      const float alpha = 1.0f;
-      auto launch = [&](const cublasLtMatmulAlgo_t& algo) {
-        return cublasLtMatmul(handle, desc, &alpha, g.a, layout_a, g.b, layout_b, &g.beta, scratch_d.data_ptr(),
-                              layout_d, scratch_d.data_ptr(), layout_d, &algo, workspace(), kWorkspaceBytes,
-                              stream) == CUBLAS_STATUS_SUCCESS;
-      };
-      for (int i = 0; i < count; ++i) {
-        if (!launch(candidates[i].algo)) continue;
-        bool ok = cudaEventRecord(start, stream) == cudaSuccess;
-        for (int r = 0; ok && r < kTuneRuns; ++r) ok = launch(candidates[i].algo);
-        ok = ok && cudaEventRecord(stop, stream) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess;
-        float ms = 0.0f;
-        if (ok && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess && ms < best_ms) {
-          best_ms = ms;
-          best = i;
-        }
-      }
-    }
-    if (start != nullptr) cudaEventDestroy(start);
-    if (stop != nullptr) cudaEventDestroy(stop);
-    (void)cudaGetLastError();  // a refused launch leaves no sticky error; clear any soft one
-    if (g.aux != nullptr) detail::set(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux);
-    return best;
-  }
-
+ private:
   c10::ScalarType dtype_;
   c10::Device device_;
   uint32_t required_alignment_;
