@@ -89,8 +89,8 @@ def case(rms: bool, residual: bool, rows: int, hidden: int, calls: int) -> tuple
 
 def short(name: str) -> str:
     """A kernel's name without its namespace and template arguments."""
-    base = name.split("<", 1)[0].split("(", 1)[0]
-    return base.rsplit("::", 1)[-1].removeprefix("void ")
+    base = name.split("<", 1)[0].rsplit("::", 1)[-1]  # "(anonymous namespace)" comes before the last "::"
+    return base.split("(", 1)[0].removeprefix("void ").strip()
 
 
 def main(argv: list[str] | None = None) -> int:
