@@ -23,6 +23,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_norms import parse_shapes
 from torch.profiler import ProfilerActivity, profile
 
 from apex.core.benchmarking import copy_bandwidth_gbps, require_cuda, require_kernels
@@ -30,16 +31,6 @@ from apex.normalization import functional as AF
 
 EPS = 1e-5
 DEFAULT_SHAPES = "16384x768,16384x1024,32768x1024,16384x2048,1024x1024"
-
-
-def shape_list(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for item in text.split(","):
-        rows, _, hidden = item.partition("x")
-        if not (rows.isdigit() and hidden.isdigit()) or int(rows) < 1 or int(hidden) < 1:
-            raise argparse.ArgumentTypeError(f"{item!r} is not ROWSxHIDDEN (positive integers)")
-        shapes.append((int(rows), int(hidden)))
-    return shapes
 
 
 def case(rms: bool, residual: bool, rows: int, hidden: int, calls: int) -> tuple[float, float, dict[str, float]]:
@@ -95,7 +86,7 @@ def short(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", type=shape_list, default=shape_list(DEFAULT_SHAPES), help=DEFAULT_SHAPES)
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes(DEFAULT_SHAPES), help=DEFAULT_SHAPES)
     parser.add_argument("--calls", type=int, default=20, help="profiled backwards per case (default 20)")
     args = parser.parse_args(argv)
     if not require_cuda("backward_kernels"):
