@@ -621,11 +621,14 @@ def phase_times(prof) -> list[str]:
     return markdown_table(["phase", "host ms", "device ms (kernels it launched)"], rows)
 
 
-# Device work by kind, from the kernel's name (first match wins): where a step's time goes.
+# Device work by kind, from the kernel's name (first match wins): where a step's time goes. A kernel
+# that matches none ("other") counts as apex's when an apex op launched it (kernel_categories): some
+# packages' kernels live in an unnamed namespace, e.g. xentropy's "(anonymous namespace)::backward_kernel".
+# Not "conv": Inductor's and ATen's names say "convert" (dtype casts).
 KERNEL_KINDS = (
     ("apex kernels", ("apex_", "apex::")),
     ("attention", ("flash", "sdpa", "fmha", "attention")),
-    ("convolution", ("fprop", "dgrad", "wgrad", "conv", "cudnn")),
+    ("convolution", ("fprop", "dgrad", "wgrad", "convolution", "convolve", "cudnn")),
     ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "xmma")),
     ("Inductor (Triton)", ("triton",)),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
@@ -642,9 +645,27 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
+def apex_launched_kernels(prof) -> set[str]:
+    """Names of the kernels launched under an apex op (``apex_<package>::<op>``, the op's own CUDA
+    kernel or an autograd node's), found through the launches' CPU parents; empty where this torch's
+    profiler events do not carry them."""
+    names: set[str] = set()
+    for evt in prof.events():
+        kernels = getattr(evt, "kernels", None)
+        if not kernels:
+            continue
+        parent = evt
+        while parent is not None and not (parent.name.startswith("apex_") and "::" in parent.name):
+            parent = getattr(parent, "cpu_parent", None)
+        if parent is not None:
+            names.update(k.name for k in kernels)
+    return names
+
+
 def kernel_categories(prof) -> list[str]:
     """Device time of one profiled step by kind of kernel, and the share of the step's wall time
     the device was idle (host-bound gaps): the table behind a missed bar's note."""
+    launched_by_apex = apex_launched_kernels(prof)
     total: dict[str, float] = {}
     first, last = None, None
     for evt in prof.events():
@@ -654,6 +675,8 @@ def kernel_categories(prof) -> list[str]:
             continue  # a range on the device's timeline (the step's phases), not a kernel
         us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         kind = kernel_kind(evt.name)
+        if kind == "other" and evt.name in launched_by_apex:
+            kind = "apex kernels"
         total[kind] = total.get(kind, 0.0) + us
         start = evt.time_range.start
         end = evt.time_range.end
