@@ -621,16 +621,18 @@ def phase_times(prof) -> list[str]:
     return markdown_table(["phase", "host ms", "device ms (kernels it launched)"], rows)
 
 
-# Device work by kind, from the kernel's name (first match wins): where a step's time goes. A kernel
-# that matches none ("other") counts as apex's when an apex op launched it (kernel_categories): some
-# packages' kernels live in an unnamed namespace, e.g. xentropy's "(anonymous namespace)::backward_kernel".
-# Not "conv": Inductor's and ATen's names say "convert" (dtype casts).
+# Device work by kind, from the kernel's name (first match wins): where a step's time goes. Where the
+# name does not say, what launched the kernel does (kernel_owners): some packages' kernels live in an
+# unnamed namespace (xentropy's "(anonymous namespace)::backward_kernel"), cuDNN's attention helpers
+# are named "cudnn...".
+# Inductor's kernels first: their names list the ops they fused ("triton_red_fused_convolution_backward_
+# native_batch_norm_backward_..."). Not "conv": ATen's names say "convert" (dtype casts).
 KERNEL_KINDS = (
+    ("Inductor (Triton)", ("triton",)),
     ("apex kernels", ("apex_", "apex::")),
     ("attention", ("flash", "sdpa", "fmha", "attention")),
     ("convolution", ("fprop", "dgrad", "wgrad", "convolution", "convolve", "cudnn")),
     ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "xmma")),
-    ("Inductor (Triton)", ("triton",)),
     ("copies and fills", ("memcpy", "memset", "copy", "fill")),
     ("optimizer and norms (ATen)", ("multi_tensor", "foreach", "adam", "sgd", "norm")),
     ("other ATen elementwise and reductions", ("at::native",)),
@@ -645,27 +647,34 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def apex_launched_kernels(prof) -> set[str]:
-    """Names of the kernels launched under an apex op (``apex_<package>::<op>``, the op's own CUDA
-    kernel or an autograd node's), found through the launches' CPU parents; empty where this torch's
-    profiler events do not carry them."""
-    names: set[str] = set()
+def kernel_owners(prof) -> dict[str, str]:
+    """Kernel name -> "apex" or "attention": what launched it, where its name does not say. The nearest
+    CPU ancestor of the launch that is an apex op (``apex_<package>::<op>``, or its autograd node's)
+    or an attention op (``aten::_cudnn_attention_backward``: cuDNN's helper kernels are named
+    ``cudnn...``). Empty where this torch's profiler events do not link launches to ops."""
+    owners: dict[str, str] = {}
     for evt in prof.events():
         kernels = getattr(evt, "kernels", None)
         if not kernels:
             continue
-        parent = evt
-        while parent is not None and not (parent.name.startswith("apex_") and "::" in parent.name):
+        owner, parent = None, evt
+        while parent is not None and owner is None:
+            name = parent.name
+            if name.startswith("apex_") and "::" in name:
+                owner = "apex"
+            elif "attention" in name:
+                owner = "attention"
             parent = getattr(parent, "cpu_parent", None)
-        if parent is not None:
-            names.update(k.name for k in kernels)
-    return names
+        if owner is not None:
+            for k in kernels:
+                owners.setdefault(k.name, owner)
+    return owners
 
 
 def kernel_categories(prof) -> list[str]:
     """Device time of one profiled step by kind of kernel, and the share of the step's wall time
     the device was idle (host-bound gaps): the table behind a missed bar's note."""
-    launched_by_apex = apex_launched_kernels(prof)
+    owners = kernel_owners(prof)
     total: dict[str, float] = {}
     first, last = None, None
     for evt in prof.events():
@@ -675,8 +684,11 @@ def kernel_categories(prof) -> list[str]:
             continue  # a range on the device's timeline (the step's phases), not a kernel
         us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         kind = kernel_kind(evt.name)
-        if kind == "other" and evt.name in launched_by_apex:
+        owner = owners.get(evt.name)
+        if owner == "apex" and kind == "other":
             kind = "apex kernels"
+        elif owner == "attention" and kind in ("convolution", "other"):
+            kind = "attention"
         total[kind] = total.get(kind, 0.0) + us
         start = evt.time_range.start
         end = evt.time_range.end
