@@ -95,7 +95,7 @@ def tests(session: nox.Session) -> None:
     base_venv(session)
     install_packages(session, install_order())
     session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
-    session.run(*pytest_args(session, [str(PACKAGES)]))
+    session.run(*pytest_args(session, [str(PACKAGES), str(ROOT / "benchmarks")]))  # benchmarks/: its tools' tests
     # The end-to-end benchmark's tiny models through both stacks (every package at once, on the CPU).
     session.run("python", str(ROOT / "benchmarks" / "bench_e2e.py"), "--smoke", "--stacks", "native-eager,apex-eager")
 

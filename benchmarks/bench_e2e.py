@@ -44,6 +44,7 @@ printed; the stacks should agree to within bf16 noise.
     python benchmarks/bench_e2e.py --models gpt2 --stacks native-compiled,apex-eager,apex-compiled
     python benchmarks/bench_e2e.py --out DIR --plot DIR/bench_e2e.png
     python benchmarks/bench_e2e.py --plot out.png --plot-from A/bench_e2e.md B/bench_e2e.md  # draw saved runs
+    python benchmarks/bench_e2e.py --models gpt2 --profile 25 --trace DIR  # then benchmarks/trace_gaps.py DIR/*
     python benchmarks/bench_e2e.py --smoke --stacks native-eager,apex-eager   # tiny models, CPU is fine
 """
 
@@ -590,9 +591,10 @@ def check_host_syncs(variant: Variant) -> str:
     return "pass"
 
 
-def profile_step(variant: Variant, rows: int) -> list[str]:
+def profile_step(variant: Variant, rows: int, trace: Path | None = None) -> list[str]:
     """torch.profiler's table of one step (the ops that cost the most device time, or host time on the
-    CPU), for the note of a missed bar."""
+    CPU), for the note of a missed bar; with ``trace``, also its Chrome trace there (gzip: read it with
+    ``benchmarks/trace_gaps.py`` for where the GPU waits on the host)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = variant.device.type == "cuda"
     if cuda:
@@ -602,6 +604,8 @@ def profile_step(variant: Variant, rows: int) -> list[str]:
         variant.step()
         if cuda:
             torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     variant.release_grads()
     del variant.losses[-1]  # not a step of the comparison: the late-step loss stays an unprofiled step's
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -817,7 +821,8 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     profiles = {}
     if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
         for variant in variants:
-            profiles[variant.stack] = profile_step(variant, args.profile)
+            trace = args.trace / f"{name}-{variant.stack}.json.gz" if args.trace else None
+            profiles[variant.stack] = profile_step(variant, args.profile, trace)
     for variant in variants:
         variant.retire()
     del batches
@@ -985,6 +990,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--profile", type=int, default=0, metavar="ROWS", help="append a profiler table of one step per variant"
     )
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="DIR",
+        help="with --profile: also write each profiled step's Chrome trace to DIR/<model>-<stack>.json.gz "
+        "(benchmarks/trace_gaps.py reads them)",
+    )
     p.add_argument("--out", type=Path, help=f"also write the report to DIR/{NAME}.md")
     p.add_argument("--plot", type=Path, help="a bar chart of ms/step per model and stack (needs matplotlib)")
     p.add_argument(
@@ -1006,6 +1018,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         for key, small in {"steps": 1, "rounds": 1, "warmup": 1, "batch_pool": 2}.items():
             if getattr(args, key) == defaults[key]:
                 setattr(args, key, small)
+    if args.trace is not None:
+        if not args.profile:
+            p.error("--trace needs --profile ROWS (the trace is of the profiled step)")
+        args.trace.mkdir(parents=True, exist_ok=True)
     if min(args.steps, args.rounds, args.batch_pool) < 1 or args.warmup < 0:
         p.error("--steps, --rounds and --batch-pool must be positive, --warmup not negative")
     return args
