@@ -233,7 +233,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             if dtype not in dtypes:
                 expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
                 raise TypeError(f"{self._name()}: parameter of dtype {dtype}; expected one of {expected}")
-            if p.device.type == "meta" or grad.device.type == "meta":
+            if p.is_meta or grad.is_meta:
                 self._refuse_meta(group, p)
             if not (p.is_contiguous() and grad.is_contiguous()):
                 self._check_layout(group, p)
@@ -324,7 +324,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         counted, without a sync.
         """
         steps = [s["step"] for s in states]
-        if found_inf is None and all(t.device.type == "cpu" for t in steps):
+        if found_inf is None and all(t.is_cpu for t in steps):
             torch._foreach_add_(steps, 1.0)
             return int(steps[0].item()), None
         if any(t.device != device for t in steps):
