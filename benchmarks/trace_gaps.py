@@ -27,10 +27,12 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from apex.core.benchmarking import markdown_table
+
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
-PHASE = "e2e step: "
+PHASE = "e2e step: "  # bench_e2e.PHASE (not imported: that module builds the models' stacks)
 
 
 @dataclass
@@ -140,17 +142,26 @@ def report(path: Path, min_us: float, top: int) -> list[str]:
         f"idle in gaps whose next kernel was launched after the GPU went idle (the GPU waited for "
         f"the host): {late / 1e3:.3f} ms; launched before (waiting on something else): {waiting / 1e3:.3f} ms"
     )
-    lines += ["", "| phase of the late launch | idle ms |", "|---|---|"]
-    lines += [f"| {name} | {us / 1e3:.3f} |" for name, us in sorted(by_phase.items(), key=lambda kv: -kv[1])]
-    lines += ["", f"| host op during the gaps (inclusive, top {top}) | ms |", "|---|---|"]
-    lines += [f"| {name} | {us / 1e3:.3f} |" for name, us in sorted(host.items(), key=lambda kv: -kv[1])[:top]]
-    columns = ["us", "launched after idle", "launch-to-start us", "phase", "launched by", "next"]
-    lines += ["", f"| largest gaps (top {top}) | " + " | ".join(columns) + " |"]
-    lines.append("|---|---|---|---|---|---|---|")
-    for i, g in enumerate(sorted(gaps, key=lambda g: -g.us)[:top]):
-        wait = "-" if g.launch_wait is None else f"{g.launch_wait:.1f}"
-        row = [str(i + 1), f"{g.us:.1f}", "yes" if g.late else "no", wait, g.phase, g.launcher[:60], g.after[:60]]
-        lines.append("| " + " | ".join(row) + " |")
+
+    def ms_rows(totals: dict[str, float], limit: int | None = None) -> list[list[str]]:
+        return [[name, f"{us / 1e3:.3f}"] for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:limit]]
+
+    lines += ["", *markdown_table(["phase of the late launch", "idle ms"], ms_rows(by_phase))]
+    lines += ["", *markdown_table([f"host op during the gaps (inclusive, top {top})", "ms"], ms_rows(host, top))]
+    rows = [
+        [
+            str(i + 1),
+            f"{g.us:.1f}",
+            "yes" if g.late else "no",
+            "-" if g.launch_wait is None else f"{g.launch_wait:.1f}",
+            g.phase,
+            g.launcher[:60],
+            g.after[:60],
+        ]
+        for i, g in enumerate(sorted(gaps, key=lambda g: -g.us)[:top])
+    ]
+    header = [f"largest gaps (top {top})", "us", "launched after idle", "launch-to-start us", "phase", "launched by"]
+    lines += ["", *markdown_table([*header, "next"], rows)]
     return lines
 
 
