@@ -70,7 +70,7 @@ from apex import amp
 from apex.contrib.clip_grad import clip_grad_norm_ as apex_clip_grad_norm_
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from apex.core.benchmarking import markdown_table, report, require_cuda, time_ms, verdict
-from apex.fused_dense import FusedDenseGeluDense
+from apex.fused_dense import FusedDense, FusedDenseGeluDense
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.optimizers import FusedAdam, FusedSGD
 from apex.parallel import SyncBatchNorm
@@ -82,6 +82,10 @@ STACKS = ("native-eager", "native-compiled", "apex-eager", "apex-compiled")
 MAX_GRAD_NORM = 1.0
 NORM_EPS = 1e-5
 PHASE = "e2e step: "  # the profiler ranges of a step's phases
+# GPU clock cycles of the spin kernel queued before a profiled step (~5 ms at H100/H200 clocks: about
+# as far as the host runs ahead of the GPU between timed steps); its kernel is not counted.
+QUEUED_AHEAD_CYCLES = 10_000_000
+SPIN_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel
 LATE_STEP = 50  # the step whose loss is compared across stacks (or the last step, if fewer run)
 # The issue's bars: apex's faster stack against native compiled, per model.
 SPEEDUP_BAR = {"gpt2": 1.2, "llama1b": 1.2, "resnet50": 1.05}
@@ -118,6 +122,11 @@ class Kit:
             return norm(pending, x)
         x = x + pending
         return norm(x), x
+
+    def linear(self, width: int, out: int) -> nn.Module:
+        """A projection with a bias: apex's FusedDense computes the bias gradient in one pass over the
+        output gradient (ATen's ``AddmmBackward0`` sums it with a generic reduction)."""
+        return FusedDense(width, out) if self.apex else nn.Linear(width, out)
 
     def gelu_mlp(self, width: int, hidden: int) -> nn.Module:
         return FusedDenseGeluDense(width, hidden, width) if self.apex else GeluMLP(width, hidden)
@@ -184,7 +193,7 @@ def init_transformer(model: nn.Module, layers: int) -> None:
         std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.weight2", "w2.weight")) else 0.02
         nn.init.normal_(p, std=std)
     for module in model.modules():
-        if isinstance(module, nn.Linear) and module.bias is not None:
+        if isinstance(module, (nn.Linear, FusedDense)) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
 
@@ -193,8 +202,8 @@ class GPT2Block(nn.Module):
         super().__init__()
         self.kit, self.heads = kit, cfg.heads
         self.norm1 = kit.layer_norm(cfg.width)
-        self.qkv = nn.Linear(cfg.width, 3 * cfg.width)
-        self.proj = nn.Linear(cfg.width, cfg.width)
+        self.qkv = kit.linear(cfg.width, 3 * cfg.width)
+        self.proj = kit.linear(cfg.width, cfg.width)
         self.norm2 = kit.layer_norm(cfg.width)
         self.mlp = kit.gelu_mlp(cfg.width, 4 * cfg.width)
 
@@ -594,12 +603,18 @@ def check_host_syncs(variant: Variant) -> str:
 def profile_step(variant: Variant, rows: int, trace: Path | None = None) -> list[str]:
     """torch.profiler's table of one step (the ops that cost the most device time, or host time on the
     CPU), for the note of a missed bar; with ``trace``, also its Chrome trace there (gzip: read it with
-    ``benchmarks/trace_gaps.py`` for where the GPU waits on the host)."""
+    ``benchmarks/trace_gaps.py`` for where the GPU waits on the host).
+
+    On the GPU the profiled step is queued behind a spin kernel of ``QUEUED_AHEAD_CYCLES`` (left out
+    of the tables), as a timed step is queued behind the step before it: a step started on an idle
+    GPU shows the host's launch time of its first ops as idle time that back-to-back steps do not
+    have. Idle time left in the profile is where the host fell behind within the step."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = variant.device.type == "cuda"
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
+        torch.cuda._sleep(QUEUED_AHEAD_CYCLES)
     with torch.profiler.profile(activities=activities) as prof:
         variant.step()
         if cuda:
@@ -686,6 +701,8 @@ def kernel_categories(prof) -> list[str]:
             continue
         if getattr(evt, "is_user_annotation", False) or evt.name.startswith(PHASE):
             continue  # a range on the device's timeline (the step's phases), not a kernel
+        if SPIN_KERNEL in evt.name:
+            continue  # the queue ahead of the profiled step
         us = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
         kind = kernel_kind(evt.name)
         owner = owners.get(evt.name)

@@ -62,3 +62,14 @@ def test_min_us_and_plain_json(tmp_path):
     path.write_text(json.dumps(_trace()))  # a bare event list is read too
     gaps, _, _ = trace_gaps.find_gaps(trace_gaps.load_events(path), min_us=60)
     assert [g.after for g in gaps] == ["D"]
+
+
+def test_the_spin_kernel_queued_ahead_is_not_the_steps_work(tmp_path):
+    # bench_e2e queues torch.cuda._sleep's kernel before the profiled step; a trace that caught it
+    # must not count it as busy time, nor start the span at it.
+    path = tmp_path / "t.json"
+    spin = _x("kernel", "spin_kernel(long)", -5000, 5005, tid=20, correlation=0)
+    path.write_text(json.dumps([spin, *_trace()]))
+    gaps, busy, span = trace_gaps.find_gaps(trace_gaps.load_events(path), min_us=10)
+    assert [g.after for g in gaps] == ["B", "D"]
+    assert busy == pytest.approx(90 + 150 + 10) and span == pytest.approx(400)

@@ -33,6 +33,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 PHASE = "e2e step: "  # bench_e2e.PHASE (not imported: that module builds the models' stacks)
+SPIN_KERNEL = "spin_kernel"  # bench_e2e queues one ahead of the profiled step; not the step's work
 
 
 @dataclass
@@ -61,7 +62,10 @@ def load_events(path: Path) -> list[dict]:
 
 def find_gaps(events: list[dict], min_us: float) -> tuple[list[Gap], float, float]:
     """The gaps of at least ``min_us`` between GPU activities; also the busy time and the span."""
-    gpu = sorted((e for e in events if e.get("cat") in GPU_CATEGORIES), key=lambda e: e["ts"])
+    gpu = sorted(
+        (e for e in events if e.get("cat") in GPU_CATEGORIES and SPIN_KERNEL not in e.get("name", "")),
+        key=lambda e: e["ts"],
+    )
     launches = {}
     for e in events:
         if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
