@@ -20,7 +20,7 @@ from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
 DTYPE = torch.bfloat16
 SHAPES = [(8192, 1024), (8192, 4096)]
-GELU_VARIANTS = ["", "gelu_aux", "dgelu", "bgradb", "bias", "gelu_aux,dgelu", "all"]
+GELU_VARIANTS = ["", "gelu_aux", "dgelu_only", "dgelu", "bgradb", "bias", "gelu_aux,dgelu", "all"]
 DENSE_VARIANTS = ["", "bias", "bgradb", "all"]
 MLP_VARIANTS = ["", "relu_aux", "drelu", "bgradb", "relu", "relu_aux,drelu", "all"]
 

@@ -184,11 +184,14 @@ def test_gelu_backward_reads_unaligned_saved_tensors(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "variable, names", [("APEX_CUBLASLT_ENABLE", "dgelu"), ("APEX_CUBLASLT_DISABLE", "all")], ids=["dgelu", "no_lt"]
+    "variable, names",
+    [("APEX_CUBLASLT_ENABLE", "dgelu"), ("APEX_CUBLASLT_ENABLE", "dgelu_only"), ("APEX_CUBLASLT_DISABLE", "all")],
+    ids=["dgelu", "dgelu_only", "no_lt"],
 )
 def test_epilogue_switches_keep_the_results(monkeypatch, variable, names):
-    # apex-core's cuBLASLt runner: the DGELU_BGRAD epilogue (off by default) turned on, and every
-    # epilogue switched off (each GEMM with an epilogue then through ATen); aligned shapes.
+    # apex-core's cuBLASLt runner: the DGELU_BGRAD epilogue (off by default) turned on; the DGELU
+    # epilogue (off by default; for a second layer this narrow) turned on, then a column sum for
+    # bias1; every epilogue switched off (each GEMM with an epilogue then through ATen); aligned shapes.
     monkeypatch.delenv("APEX_CUBLASLT_ENABLE", raising=False)
     monkeypatch.delenv("APEX_CUBLASLT_DISABLE", raising=False)
     monkeypatch.setenv(variable, names)

@@ -13,10 +13,14 @@
 // kernel (31 us for a [8192, 4096] bf16 gradient, where apex/bias_grad.cuh's column sum takes
 // 21 us), so those three are off by default (measured by benchmarks/profile_epilogues.py of
 // apex-fused-dense; the callers then use apex/bias_grad.cuh).
+// DGELU alone (no bias gradient) is fused into the GEMM, but as an older sm90_xmma kernel where the
+// plain GEMM gets a faster nvjet one: on the H100 with CUDA 13.0 FusedDenseGeluDense's forward and
+// backward measured -2.6% to +32% with it, so it is off by default too (apex-fused-dense's NOTES).
 // Environment, comma-separated names, read on every call (parsed again only when changed):
 // APEX_CUBLASLT_ENABLE turns default-off epilogues on, APEX_CUBLASLT_DISABLE turns any off.
 // Names: bias, relu (RELU, RELU_BIAS), relu_aux (RELU_AUX, RELU_AUX_BIAS), drelu (DRELU,
-// DRELU_BGRAD), gelu_aux (GELU_AUX_BIAS), dgelu (DGELU_BGRAD), bgradb (BGRADB); "all" names every one.
+// DRELU_BGRAD), gelu_aux (GELU_AUX_BIAS), dgelu (DGELU_BGRAD), dgelu_only (DGELU), bgradb (BGRADB);
+// "all" names every one.
 // (apex-mlp's _ops.py reads the same variables to know whether the DRELU epilogues are on.)
 #pragma once
 
@@ -54,8 +58,9 @@ enum : unsigned {
   kGeluAux = 1u << 4,
   kDGelu = 1u << 5,
   kBGradB = 1u << 6,
-  kAll = (1u << 7) - 1,
-  kDefaultOff = kDRelu | kDGelu | kBGradB,
+  kDGeluOnly = 1u << 7,
+  kAll = (1u << 8) - 1,
+  kDefaultOff = kDRelu | kDGelu | kBGradB | kDGeluOnly,
 };
 
 inline unsigned parse_names(const char* text) {
@@ -74,6 +79,7 @@ inline unsigned parse_names(const char* text) {
     if (name == "gelu_aux") mask |= kGeluAux;
     if (name == "dgelu") mask |= kDGelu;
     if (name == "bgradb") mask |= kBGradB;
+    if (name == "dgelu_only") mask |= kDGeluOnly;
     start = end + 1;
   }
   return mask;
@@ -114,6 +120,8 @@ inline unsigned bit(cublasLtEpilogue_t epilogue) {
       return kGeluAux;
     case CUBLASLT_EPILOGUE_DGELU_BGRAD:
       return kDGelu;
+    case CUBLASLT_EPILOGUE_DGELU:
+      return kDGeluOnly;
     case CUBLASLT_EPILOGUE_BGRADB:
       return kBGradB;
     default:
