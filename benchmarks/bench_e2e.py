@@ -18,7 +18,7 @@ Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, op
 - ``apex-eager``: ``amp.initialize(opt_level="O2", cast_model_type=torch.bfloat16)``,
   ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form with ``memory_efficient=True``
   (each saves its output, which the next linear layer holds anyway, instead of the residual stream),
-  ``fused_apply_rotary_pos_emb``,
+  ``fused_apply_rotary_pos_emb``, ``FusedDense`` (GPT-2's attention projections),
   ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
   backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50); ResNet-50 keeps
   torchvision's ``nn.BatchNorm2d`` and ReLUs (``--resnet-bn apex``: ``apex.parallel.SyncBatchNorm``,
@@ -38,7 +38,9 @@ CUDA events; ms/step is the median over rounds. MFU is the model FLOPs per step 
 ``torch.utils.flop_counter.FlopCounterMode`` on one native forward and backward: matmuls,
 convolutions and attention, causal attention counted as full) against the bf16 matmul rate measured
 in the same run. The losses of the first step and the 50th step (or the last, when fewer run) are
-printed; the stacks should agree to within bf16 noise.
+printed; the stacks should agree to within bf16 noise. Host ms/step is one step's host time with the
+GPU kept busy by a spin kernel queued ahead of it (median of 5): where it nears ms/step, the GPU waits
+on the host.
 
     python benchmarks/bench_e2e.py                         # every model and stack, on the GPU
     python benchmarks/bench_e2e.py --models gpt2 --stacks native-compiled,apex-eager,apex-compiled
@@ -86,6 +88,10 @@ PHASE = "e2e step: "  # the profiler ranges of a step's phases
 # as far as the host runs ahead of the GPU between timed steps); its kernel is not counted.
 QUEUED_AHEAD_CYCLES = 10_000_000
 SPIN_KERNEL = "spin_kernel"  # torch.cuda._sleep's kernel
+# The spin ahead of a host-time probe (~200 ms): longer than any step's host time here, so the host
+# never waits on the device while it is timed.
+HOST_PROBE_CYCLES = 400_000_000
+HOST_PROBE_STEPS = 5
 LATE_STEP = 50  # the step whose loss is compared across stacks (or the last step, if fewer run)
 # The issue's bars: apex's faster stack against native compiled, per model.
 SPEEDUP_BAR = {"gpt2": 1.2, "llama1b": 1.2, "resnet50": 1.05}
@@ -494,6 +500,7 @@ class Variant:
     host_syncs: str = "n/a"
     graph_breaks: int | None = None
     warmup_s: float | None = None  # the warm-up steps' wall time: torch.compile's work in the compiled stacks
+    host_ms: float | None = None  # one step's host time with the GPU busy (host_step_ms)
 
     @property
     def apex(self) -> bool:
@@ -582,6 +589,25 @@ def timed_steps_ms(variant: Variant, steps: int) -> float:
     for _ in range(steps):
         variant.step()
     return (time.perf_counter() - start) * 1e3 / steps
+
+
+def host_step_ms(variant: Variant) -> float | None:
+    """The host's time for one step while the GPU is busy with a spin kernel queued first, so that the
+    host never waits on the device or on a full launch queue: the median over HOST_PROBE_STEPS steps.
+    A step is GPU-bound when this is well below its ms/step. None on the CPU (all of a step is host time)."""
+    if variant.device.type != "cuda":
+        return None
+    times = []
+    for _ in range(HOST_PROBE_STEPS):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(HOST_PROBE_CYCLES)
+        start = time.perf_counter()
+        variant.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    variant.release_grads()
+    del variant.losses[-HOST_PROBE_STEPS:]  # not steps of the comparison
+    return statistics.median(times)
 
 
 def check_host_syncs(variant: Variant) -> str:
@@ -835,6 +861,8 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
             variant.turn_ms.append(timed_steps_ms(variant, args.steps))
             variant.release_grads()
     recompiles = compiled_graph_count() - graphs
+    for variant in variants:  # after the timed steps, as the profile
+        variant.host_ms = host_step_ms(variant)
     profiles = {}
     if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
         for variant in variants:
@@ -875,6 +903,7 @@ def table_rows(results: list[Result], rate_tflops: float) -> list[list[str]]:
                     res.model,
                     v.stack,
                     fmt(ms, ".2f"),
+                    fmt(v.host_ms, ".2f"),
                     fmt(per_step / (ms * 1e-3) if ms else None, ",.0f"),
                     fmt(100 * mfu if mfu is not None else None, ".3g") + ("%" if mfu is not None else ""),
                     fmt(v.peak_bytes / 2**30 if v.peak_bytes is not None else None, ".2f"),
@@ -1073,6 +1102,7 @@ def main(argv=None) -> int:
         "model",
         "stack",
         "ms/step",
+        "host ms/step",
         "tokens (images) /s",
         "MFU",
         "peak GiB",
@@ -1098,6 +1128,8 @@ def main(argv=None) -> int:
         "loss @late: step " + ", ".join(f"{r.model} {late_step(r)}" for r in results) + f" (step {LATE_STEP} when run)",
         "torch.compile in its default mode on the model and its loss; clipping and the optimizer step eager",
         "peak GiB: a variant's own peak (build and warm-up, less what the variants before it hold)",
+        "host ms/step: one step's host time with the GPU kept busy (a spin kernel queued ahead; median of "
+        f"{HOST_PROBE_STEPS}): near ms/step, the GPU waits on the host",
         "warm-up s: wall time of the warm-up steps, torch.compile's tracing and code generation included",
     ]
     if args.smoke:
