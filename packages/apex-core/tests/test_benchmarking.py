@@ -49,6 +49,24 @@ def test_compare_ms_takes_one_sample_of_each_variant_a_round_in_rotating_order()
     assert medians == {"a": 3.5, "b": 3.25, "c": 7.25}
 
 
+def test_compare_ms_sets_each_variants_environment_around_its_warm_up_and_samples(monkeypatch):
+    monkeypatch.delenv("APEX_TEST_SWITCH", raising=False)
+    seen = []
+
+    def call():
+        seen.append(("call", os.environ.get("APEX_TEST_SWITCH")))
+
+    variants = {"on": [call], "off": [call]}
+
+    def sample(calls, rounds):
+        seen.append(("sample", os.environ.get("APEX_TEST_SWITCH")))
+        return 1.0
+
+    compare_ms(variants, samples=2, warmup=1, sample=sample, settings={"on": {"APEX_TEST_SWITCH": "x"}})
+    assert seen == [("call", "x"), ("call", None), ("sample", "x"), ("sample", None), ("sample", None), ("sample", "x")]
+    assert "APEX_TEST_SWITCH" not in os.environ  # restored after each
+
+
 def test_progress_prints_the_row_to_stderr_at_once(capsys):
     progress(["a", "1.5x"])
     captured = capsys.readouterr()

@@ -1,6 +1,9 @@
-"""What each cuBLASLt epilogue is worth: apex-fused-dense's and apex-mlp's forward+backward with
-every fused epilogue on, and with some of them replaced by a plain GEMM and ATen ops
-(APEX_CUBLASLT_DISABLE, read on every call), against eager PyTorch, in one process (CUDA only).
+"""What each cuBLASLt epilogue is worth: apex-fused-dense's and apex-mlp's forward+backward with the
+default epilogues, with some of them switched off ("-name": APEX_CUBLASLT_DISABLE; a plain GEMM and
+ATen ops or apex-core's passes instead) or default-off ones switched on ("+name":
+APEX_CUBLASLT_ENABLE), against eager PyTorch, in one process (CUDA only). The variables are read on
+every call; the variants' samples are interleaved in rotating order (apex-core's compare_ms), so a
+drift over the run does not fall on whichever variant came last.
 
     python packages/apex-fused-dense/benchmarks/profile_epilogues.py [--samples N] [--kernels]
 
@@ -15,14 +18,14 @@ import argparse
 import torch
 from torch import nn
 
-from apex.core.benchmarking import environment, require_cuda, time_ms
+from apex.core.benchmarking import compare_ms, environment, require_cuda
 from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
 DTYPE = torch.bfloat16
 SHAPES = [(8192, 1024), (8192, 4096)]
-GELU_VARIANTS = ["", "gelu_aux", "dgelu_only", "dgelu", "bgradb", "bias", "gelu_aux,dgelu", "all"]
-DENSE_VARIANTS = ["", "bias", "bgradb", "all"]
-MLP_VARIANTS = ["", "relu_aux", "drelu", "bgradb", "relu", "relu_aux,drelu", "all"]
+GELU_VARIANTS = ["", "-gelu_aux", "+dgelu_only", "+dgelu", "+bgradb", "-bias", "-all"]
+DENSE_VARIANTS = ["", "-bias", "+bgradb", "-all"]
+MLP_VARIANTS = ["", "-relu_aux", "+drelu", "+bgradb", "-relu", "-all"]
 
 
 def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -30,13 +33,29 @@ def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return lambda: torch.autograd.grad(module(x), [x, *params], dy)
 
 
-def timed(fn, samples: int, disable: str = "") -> float:
-    with environment(APEX_CUBLASLT_DISABLE=disable):
-        return time_ms([fn], samples)
+def settings(variant: str) -> dict[str, str | None]:
+    """The environment of a variant: "" the defaults, "-a,b" those switched off, "+a,b" switched on."""
+    return {
+        "APEX_CUBLASLT_DISABLE": variant[1:] if variant.startswith("-") else None,
+        "APEX_CUBLASLT_ENABLE": variant[1:] if variant.startswith("+") else None,
+    }
 
 
-def kernels(fn, label: str, disable: str = "") -> None:
-    with environment(APEX_CUBLASLT_DISABLE=disable):
+def compare(label: str, ours, eager, variants: list[str], samples: int) -> None:
+    """Prints eager's time and each variant's, sampled in turns."""
+    ms = compare_ms(
+        {"eager": [eager], **{v: [ours] for v in variants}},
+        samples,
+        settings={"eager": settings(""), **{v: settings(v) for v in variants}},
+    )
+    base = ms["eager"]
+    print(f"== {label}: eager {base:.3f} ms")
+    for v in variants:
+        print(f"   {v or 'default':16s} {ms[v]:8.3f} ms  eager/ours {base / ms[v]:.3f}")
+
+
+def kernels(fn, label: str, variant: str = "") -> None:
+    with environment(**settings(variant)):
         fn()
         torch.cuda.synchronize()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -47,7 +66,7 @@ def kernels(fn, label: str, disable: str = "") -> None:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total / 1e3
-    print(f"-- kernels of {label} (disable={disable or '-'}), ms over 5 steps")
+    print(f"-- kernels of {label} ({variant or 'default'}), ms over 5 steps")
     for name, ms in sorted(totals.items(), key=lambda kv: -kv[1])[:12]:
         print(f"   {ms:8.3f}  {name[:150]}")
 
@@ -67,29 +86,22 @@ def main() -> int:
         eager = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(approximate="tanh"), nn.Linear(4 * hidden, hidden))
         eager = eager.to("cuda", DTYPE)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
-        base = timed(step(eager, x, dy), s)
-        print(f"== FusedDenseGeluDense {tokens}x{hidden}x{4 * hidden}: eager {base:.3f} ms")
-        for v in GELU_VARIANTS:
-            ms = timed(step(ours, x, dy), s, v)
-            print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+        label = f"FusedDenseGeluDense {tokens}x{hidden}x{4 * hidden}"
+        compare(label, step(ours, x, dy), step(eager, x, dy), GELU_VARIANTS, s)
         if args.kernels and (tokens, hidden) == SHAPES[0]:
             kernels(step(ours, x, dy), "FusedDenseGeluDense")
-            kernels(step(ours, x, dy), "FusedDenseGeluDense", "bgradb")
-            kernels(step(ours, x, dy), "FusedDenseGeluDense", "all")
+            kernels(step(ours, x, dy), "FusedDenseGeluDense", "+dgelu_only")
+            kernels(step(ours, x, dy), "FusedDenseGeluDense", "-all")
             kernels(step(eager, x, dy), "eager Linear-GELU-Linear")
 
         ours = FusedDense(hidden, 4 * hidden).to("cuda", DTYPE)
         eager = nn.Linear(hidden, 4 * hidden).to("cuda", DTYPE)
         dy = torch.randn(tokens, 4 * hidden, device="cuda", dtype=DTYPE)
-        base = timed(step(eager, x, dy), s)
-        print(f"== FusedDense {tokens}x{hidden}x{4 * hidden}: eager {base:.3f} ms")
-        for v in DENSE_VARIANTS:
-            ms = timed(step(ours, x, dy), s, v)
-            print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+        compare(f"FusedDense {tokens}x{hidden}x{4 * hidden}", step(ours, x, dy), step(eager, x, dy), DENSE_VARIANTS, s)
         if args.kernels and (tokens, hidden) == SHAPES[0]:
             kernels(step(ours, x, dy), "FusedDense")
-            kernels(step(ours, x, dy), "FusedDense", "bgradb")
-            kernels(step(ours, x, dy), "FusedDense", "bias")
+            kernels(step(ours, x, dy), "FusedDense", "+bgradb")
+            kernels(step(ours, x, dy), "FusedDense", "-bias")
             kernels(step(eager, x, dy), "eager Linear")
         del ours, eager, x, dy
 
@@ -106,11 +118,7 @@ def main() -> int:
     eager = nn.Sequential(*layers).to("cuda", DTYPE)
     x = torch.randn(batch, sizes[0], device="cuda", dtype=DTYPE, requires_grad=True)
     dy = torch.randn(batch, sizes[-1], device="cuda", dtype=DTYPE)
-    base = timed(step(eager, x, dy), s)
-    print(f"== MLP {batch} {'-'.join(map(str, sizes))}: eager {base:.3f} ms")
-    for v in MLP_VARIANTS:
-        ms = timed(step(ours, x, dy), s, v)
-        print(f"   disable={v or '-':16s} {ms:8.3f} ms  eager/ours {base / ms:.3f}")
+    compare(f"MLP {batch} {'-'.join(map(str, sizes))}", step(ours, x, dy), step(eager, x, dy), MLP_VARIANTS, s)
     if args.kernels:
         kernels(step(ours, x, dy), "MLP")
         kernels(step(eager, x, dy), "eager MLP")

@@ -83,25 +83,32 @@ def compare_ms(
     warmup: int = 2,
     *,
     sample: Callable[[Sequence[Callable[[], object]], int], float] | None = None,
+    settings: Mapping[str, Mapping[str, str | None]] | None = None,
 ) -> dict[str, float]:
     """:func:`time_ms` of each variant (name -> its calls), sampled in turn: every round takes one
     sample of each variant, in an order that rotates from round to round, instead of all samples of
     one variant before the next. A drift over the run (clocks, temperature, the allocator's or L2's
     state) then falls on every variant alike rather than on whichever was timed first: variants
     that run the same kernels measured up to 0.26 ms apart, both ways, timed one after another
-    (conv-bias-relu on an H100, 2026-12-05). ``sample`` replaces the timed sample (tests)."""
+    (conv-bias-relu on an H100, 2026-12-05). ``settings`` gives a variant environment variables
+    (:func:`environment`) set around its warm-up and each of its samples, not around each call:
+    switches such as ``APEX_CUBLASLT_DISABLE`` compared in one process. ``sample`` replaces the
+    timed sample (tests)."""
     sample = sample or _sample_ms
+    settings = settings or {}
     names = list(variants)
     rounds = {name: max(1, math.ceil(min_calls / len(variants[name]))) for name in names}
     for name in names:
-        _warm(variants[name], warmup)
+        with environment(**settings.get(name, {})):
+            _warm(variants[name], warmup)
     if sample is _sample_ms:
         torch.cuda.synchronize()
     times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(samples):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
-            times[name].append(sample(variants[name], rounds[name]))
+            with environment(**settings.get(name, {})):
+                times[name].append(sample(variants[name], rounds[name]))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
