@@ -73,3 +73,19 @@ def test_the_spin_kernel_queued_ahead_is_not_the_steps_work(tmp_path):
     gaps, busy, span = trace_gaps.find_gaps(trace_gaps.load_events(path), min_us=10)
     assert [g.after for g in gaps] == ["B", "D"]
     assert busy == pytest.approx(90 + 150 + 10) and span == pytest.approx(400)
+
+
+def test_kernels_by_the_op_that_launched_them(tmp_path):
+    # A by aten::add; B by aten::mm (inside no other op); D by aten::relu inside slow_python; C's
+    # launch at 300 is inside the forward phase only: "-".
+    totals = trace_gaps.kernels_by_launcher(_trace())
+    assert totals == {
+        ("aten::add", "A"): [1, 90.0],
+        ("aten::mm", "B"): [1, 50.0],
+        ("-", "C"): [1, 140.0],
+        ("slow_python > aten::relu", "D"): [1, 10.0],
+    }
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(_trace()))
+    text = "\n".join(trace_gaps.report(path, 10, 5))
+    assert "| - | C | 1 | 0.140 |" in text and "| slow_python > aten::relu | D | 1 | 0.010 |" in text

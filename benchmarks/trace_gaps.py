@@ -11,6 +11,10 @@ back to its launch (the CUDA runtime or driver call with the same correlation id
   from the gap's start to the launch, by inclusive time summed over the gaps (a profile of the host
   while the GPU waited), and the step phase (``bench_e2e``'s "e2e step: ..." ranges) of the launch.
 
+Then the GPU time of every kernel by the op that launched it (the innermost host op around the
+launch, with its parent): where a step's device time goes, kernel by kernel, named by what asked
+for it (cuBLAS's and cuDNN's kernels say nothing of the layer they serve).
+
 The profiler's own per-op cost is in the host times (more per op than an unprofiled run pays), so
 read the ranking, not the absolute numbers.
 
@@ -121,8 +125,53 @@ def describe_gap(gap_start: float, nxt: dict, launches: dict, host_by_thread: di
     return gap
 
 
+def kernels_by_launcher(events: list[dict]) -> dict[tuple[str, str], list[float]]:
+    """(launching op, kernel name) -> [calls, us] over the GPU activities of the trace. The launching
+    op is the innermost host event around the launch on its thread (not a step phase), written
+    ``parent > op`` where it has a parent; "-" where the launch or an op around it is not found."""
+    launches = {}
+    for e in events:
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+    ops_by_thread: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in HOST_CATEGORIES and not e["name"].startswith(PHASE):
+            ops_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    launcher: dict[object, str] = {}  # correlation id -> label
+    for thread, ops in ops_by_thread.items():
+        ops.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))  # parents before their children
+        mine = sorted(
+            (float(e["ts"]), corr)
+            for corr, e in launches.items()
+            if (e.get("pid"), e.get("tid")) == thread
+        )
+        stack: list[dict] = []
+        i = 0
+        for at, corr in mine:
+            while i < len(ops) and float(ops[i]["ts"]) <= at:
+                # an op that ends where the next starts is its neighbour, not its parent
+                while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= float(ops[i]["ts"]):
+                    stack.pop()
+                stack.append(ops[i])
+                i += 1
+            while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) < at:
+                stack.pop()
+            if stack:
+                names = [e["name"] for e in stack[-2:]]
+                launcher[corr] = " > ".join(names)
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") not in GPU_CATEGORIES or SPIN_KERNEL in e.get("name", ""):
+            continue
+        key = (launcher.get(e.get("args", {}).get("correlation"), "-"), e.get("name", "?"))
+        totals[key][0] += 1
+        totals[key][1] += float(e["dur"])
+    return dict(totals)
+
+
 def report(path: Path, min_us: float, top: int) -> list[str]:
-    gaps, busy, span = find_gaps(load_events(path), min_us)
+    events = load_events(path)
+    gaps, busy, span = find_gaps(events, min_us)
     idle = sum(g.us for g in gaps)
     lines = [
         f"# {path.name}",
@@ -166,6 +215,10 @@ def report(path: Path, min_us: float, top: int) -> list[str]:
     ]
     header = [f"largest gaps (top {top})", "us", "launched after idle", "launch-to-start us", "phase", "launched by"]
     lines += ["", *markdown_table([*header, "next"], rows)]
+    kernels = sorted(kernels_by_launcher(events).items(), key=lambda kv: -kv[1][1])[:top]
+    rows = [[op[:90], name[:70], str(int(calls)), f"{us / 1e3:.3f}"] for (op, name), (calls, us) in kernels]
+    header = [f"launched by (top {top} by GPU time)", "kernel", "calls", "ms"]
+    lines += ["", *markdown_table(header, rows)]
     return lines
 
 
