@@ -140,11 +140,7 @@ def kernels_by_launcher(events: list[dict]) -> dict[tuple[str, str], list[float]
     launcher: dict[object, str] = {}  # correlation id -> label
     for thread, ops in ops_by_thread.items():
         ops.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))  # parents before their children
-        mine = sorted(
-            (float(e["ts"]), corr)
-            for corr, e in launches.items()
-            if (e.get("pid"), e.get("tid")) == thread
-        )
+        mine = sorted((float(e["ts"]), corr) for corr, e in launches.items() if (e.get("pid"), e.get("tid")) == thread)
         stack: list[dict] = []
         i = 0
         for at, corr in mine:
