@@ -12,13 +12,16 @@ fused kernels as packages are installed:
   ops, no host sync) if installed, else ``torch.nn.utils.clip_grad_norm_(foreach=True)``;
 - optimizer: ``apex.optimizers.FusedAdam`` if installed, else ``torch.optim.AdamW``;
 - norm layer: ``apex.normalization.FusedLayerNorm`` if installed, else ``torch.nn.LayerNorm``;
+- dense layers: ``apex.fused_dense.FusedDense`` (the attention projections) and
+  ``FusedDenseGeluDense`` (the MLP: bias, GELU and their gradients in cuBLASLt's epilogues) if
+  installed, else ``torch.nn.Linear`` and ``Linear -> GELU(tanh) -> Linear``;
 - mixed precision: ``apex.amp`` at ``--opt-level`` (O2 by default on a GPU) if installed, else
   ``torch.autocast`` (``--precision``).
 
 ``--stack native`` trains the same model with PyTorch's pieces only, for comparison:
 ``F.cross_entropy``, ``torch.nn.utils.clip_grad_norm_(foreach=True)``, ``torch.optim.AdamW(fused=True)``,
-``torch.nn.LayerNorm`` and ``torch.autocast`` (``--precision``). ``--stack apex`` (the default) is
-the list above.
+``torch.nn.LayerNorm``, ``torch.nn.Linear`` and ``torch.autocast`` (``--precision``). ``--stack apex``
+(the default) is the list above.
 
 It prints, per apex op family, the kernel tier that ran (aot, jit or reference and why), then
 the train and validation loss and throughput every ``--eval-interval`` steps, and finally a
@@ -102,6 +105,19 @@ def pick_norm(stack: str = "apex") -> tuple[type[nn.Module], Choice]:
     except ImportError as exc:
         return nn.LayerNorm, Choice("norm", "torch.nn.LayerNorm", note=f"apex.normalization unavailable: {exc}")
     return FusedLayerNorm, Choice("norm", "apex.normalization.FusedLayerNorm", "normalization")
+
+
+def pick_dense(stack: str = "apex") -> tuple[type[nn.Module], type[nn.Module], Choice]:
+    """``(linear, mlp)`` classes: ``linear(in, out)`` for the attention projections, ``mlp(width,
+    hidden, width)`` for the MLP. apex.fused_dense's FusedDense and FusedDenseGeluDense when installed,
+    else torch.nn.Linear and GeluMLP (always in the native stack); the same parameter names either way."""
+    if stack == "native":
+        return nn.Linear, GeluMLP, Choice("dense", "torch.nn.Linear", note="--stack native")
+    try:
+        from apex.fused_dense import FusedDense, FusedDenseGeluDense
+    except ImportError as exc:
+        return nn.Linear, GeluMLP, Choice("dense", "torch.nn.Linear", note=f"apex.fused_dense unavailable: {exc}")
+    return FusedDense, FusedDenseGeluDense, Choice("dense", "apex.fused_dense.FusedDense[GeluDense]", "fused_dense")
 
 
 def pick_amp(opt_level: str, precision: str, use_cuda: bool, stack: str = "apex"):
@@ -189,12 +205,29 @@ class GPTConfig:
     n_embd: int = 128
 
 
+class GeluMLP(nn.Module):
+    """``Linear -> GELU(tanh) -> Linear`` with FusedDenseGeluDense's parameter names (weight1, bias1,
+    weight2, bias2), so a checkpoint loads into either stack."""
+
+    def __init__(self, width: int, hidden: int, out: int):
+        super().__init__()
+        self.weight1 = nn.Parameter(torch.empty(hidden, width))
+        self.bias1 = nn.Parameter(torch.zeros(hidden))
+        self.weight2 = nn.Parameter(torch.empty(out, hidden))
+        self.bias2 = nn.Parameter(torch.zeros(out))
+        for w in (self.weight1, self.weight2):
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.gelu(F.linear(x, self.weight1, self.bias1), approximate="tanh"), self.weight2, self.bias2)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, linear: type[nn.Module] = nn.Linear):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
-        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.qkv = linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = linear(cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
@@ -207,14 +240,12 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig, norm: type[nn.Module]):
+    def __init__(self, cfg: GPTConfig, norm: type[nn.Module], linear: type[nn.Module], mlp: type[nn.Module]):
         super().__init__()
         self.norm1 = norm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, linear)
         self.norm2 = norm(cfg.n_embd)
-        self.mlp = nn.Sequential(
-            nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
-        )
+        self.mlp = mlp(cfg.n_embd, 4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -222,27 +253,30 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, norm: type[nn.Module]):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        norm: type[nn.Module],
+        linear: type[nn.Module] = nn.Linear,
+        mlp: type[nn.Module] = GeluMLP,
+    ):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(cfg, norm) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, norm, linear, mlp) for _ in range(cfg.n_layer))
         self.norm_f = norm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied input/output embeddings
-        self.apply(self._init_weights)
-        # Residual projections start small so the residual stream grows evenly with depth.
+        # Matrices (embeddings, dense weights) N(0, 0.02), the dense layers' biases zero, the norms'
+        # parameters as built; residual projections smaller, so the residual stream grows evenly with
+        # depth. By name, the same whichever dense layers were picked.
         for name, p in self.named_parameters():
-            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+            if p.dim() >= 2:
+                residual = name.endswith(("attn.proj.weight", "mlp.weight2"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer) if residual else 0.02)
+            elif ".attn." in name or ".mlp." in name:
+                nn.init.zeros_(p)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)
@@ -484,7 +518,8 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
     data = CharData(args.corpus.read_text(encoding="utf-8"), device)
     cfg = GPTConfig(len(data.chars), args.block_size, args.n_layer, args.n_head, args.n_embd)
     norm, norm_choice = pick_norm(args.stack)
-    model = GPT(cfg, norm).to(device)
+    linear, mlp, dense_choice = pick_dense(args.stack)
+    model = GPT(cfg, norm, linear, mlp).to(device)
     optimizer, opt_choice = pick_optimizer(model.param_groups(args.weight_decay), args.lr, args.stack)
     if amp is not None:
         dtype_args = {}
@@ -561,7 +596,7 @@ def train(args: argparse.Namespace, rank: int = 0, world: int = 1) -> int:
             # with, and leave it out of the throughput.
             sync()
             print(f"{args.stack} pieces (kernel tier after the first step):")
-            for choice in (loss_choice, clip_choice, opt_choice, norm_choice, amp_choice):
+            for choice in (loss_choice, clip_choice, opt_choice, norm_choice, dense_choice, amp_choice):
                 if choice.kernels is not None:
                     print(describe_kernels(choice, device))
                 else:
