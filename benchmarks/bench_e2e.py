@@ -597,16 +597,24 @@ def host_step_ms(variant: Variant) -> float | None:
     A step is GPU-bound when this is well below its ms/step. None on the CPU (all of a step is host time)."""
     if variant.device.type != "cuda":
         return None
-    times = []
+    times, spins = [], []
     for _ in range(HOST_PROBE_STEPS):
         torch.cuda.synchronize()
+        spin_start, spin_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        spin_start.record()
         torch.cuda._sleep(HOST_PROBE_CYCLES)
+        spin_end.record()
         start = time.perf_counter()
         variant.step()
         times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        spins.append(spin_start.elapsed_time(spin_end))
     variant.release_grads()
     del variant.losses[-HOST_PROBE_STEPS:]  # not steps of the comparison
+    if max(t / s for t, s in zip(times, spins)) > 0.9:
+        # The host waited on the device (a full launch queue, or a sync): not the host's own time.
+        print(f"  {variant.stack}: host probe reached the spin's end; no host ms/step", file=sys.stderr)
+        return None
     return statistics.median(times)
 
 
