@@ -64,21 +64,25 @@ def load_events(path: Path) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
+def index_events(events: list[dict], phases: bool) -> tuple[dict, dict[object, list[dict]]]:
+    """The launches by correlation id, and the host events by (pid, tid) (with the step phases or not)."""
+    launches = {}
+    host_by_thread: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = e
+        elif e.get("cat") in HOST_CATEGORIES and (phases or not e["name"].startswith(PHASE)):
+            host_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    return launches, host_by_thread
+
+
 def find_gaps(events: list[dict], min_us: float) -> tuple[list[Gap], float, float]:
     """The gaps of at least ``min_us`` between GPU activities; also the busy time and the span."""
     gpu = sorted(
         (e for e in events if e.get("cat") in GPU_CATEGORIES and SPIN_KERNEL not in e.get("name", "")),
         key=lambda e: e["ts"],
     )
-    launches = {}
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e
-    host_by_thread: dict[object, list[dict]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") in HOST_CATEGORIES:
-            host_by_thread[(e.get("pid"), e.get("tid"))].append(e)
-
+    launches, host_by_thread = index_events(events, phases=True)
     gaps: list[Gap] = []
     busy = 0.0
     busy_start = busy_end = None
@@ -129,14 +133,7 @@ def kernels_by_launcher(events: list[dict]) -> dict[tuple[str, str], list[float]
     """(launching op, kernel name) -> [calls, us] over the GPU activities of the trace. The launching
     op is the innermost host event around the launch on its thread (not a step phase), written
     ``parent > op`` where it has a parent; "-" where the launch or an op around it is not found."""
-    launches = {}
-    for e in events:
-        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = e
-    ops_by_thread: dict[object, list[dict]] = defaultdict(list)
-    for e in events:
-        if e.get("cat") in HOST_CATEGORIES and not e["name"].startswith(PHASE):
-            ops_by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    launches, ops_by_thread = index_events(events, phases=False)
     launcher: dict[object, str] = {}  # correlation id -> label
     for thread, ops in ops_by_thread.items():
         ops.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))  # parents before their children
