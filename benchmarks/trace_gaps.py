@@ -134,10 +134,13 @@ def kernels_by_launcher(events: list[dict]) -> dict[tuple[str, str], list[float]
     op is the innermost host event around the launch on its thread (not a step phase), written
     ``parent > op`` where it has a parent; "-" where the launch or an op around it is not found."""
     launches, ops_by_thread = index_events(events, phases=False)
+    launches_by_thread: dict[object, list[tuple[float, object]]] = defaultdict(list)
+    for corr, e in launches.items():
+        launches_by_thread[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), corr))
     launcher: dict[object, str] = {}  # correlation id -> label
     for thread, ops in ops_by_thread.items():
         ops.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))  # parents before their children
-        mine = sorted((float(e["ts"]), corr) for corr, e in launches.items() if (e.get("pid"), e.get("tid")) == thread)
+        mine = sorted(launches_by_thread.get(thread, []))
         stack: list[dict] = []
         i = 0
         for at, corr in mine:
