@@ -397,6 +397,30 @@ def test_opcheck(device, dtype):
         torch.library.opcheck(op, args)
 
 
+def test_the_functions_record_one_node_per_call(device):
+    """The ops carry their autograd: on CUDA the C++ nodes of csrc/fused_dense_autograd.cpp (once the
+    library is loaded), elsewhere the Python formula registered on the ops; the GELU layer's extra
+    outputs (kept for the backward) record nothing differentiable."""
+    x, w1, b1, w2, b2 = (t.requires_grad_() for t in gelu_params((5, 8, 12, 4), torch.float32, device))
+    fused_dense_function(x, w1, b1)  # on CUDA the first call loads the library
+    nodes = {
+        "linear_forward": fused_dense_function(x, w1, b1).grad_fn,
+        "linear_forward_no_bias": dense_no_bias_function(x, w1).grad_fn,
+        "linear_gelu_linear_forward": fused_dense_gelu_dense_function(x, w1, b1, w2, b2).grad_fn,
+    }
+    cpp = {"linear_forward": "LinearForward", "linear_gelu_linear_forward": "LinearGeluLinearForward"}
+    for name, node in nodes.items():
+        op = name.removesuffix("_no_bias")
+        if torch.device(device).type == "cuda":
+            assert "CppNode" in node.name() and cpp[op] in node.name(), (name, node.name())
+        else:
+            assert node.name() == f"GeneratedBackwardFor_apex_fused_dense_{op}_defaultBackward", (name, node.name())
+    output1, _, gelu_in = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    assert not output1.requires_grad and not gelu_in.requires_grad
+    no_bias = nodes["linear_forward_no_bias"]
+    assert len([edge for edge in no_bias.next_functions if edge[0] is not None]) == 2
+
+
 @pytest.mark.slow
 def test_torch_compile_fullgraph(device):
     torch.manual_seed(0)
@@ -485,9 +509,9 @@ def test_off_cuda_the_functions_are_torchs(monkeypatch, dtype):
     w1, b1 = randn((hidden, k), dtype, "cpu", k**-0.5, seed=2), randn((hidden,), dtype, "cpu", seed=3)
     w2, b2 = randn((n, hidden), dtype, "cpu", hidden**-0.5, seed=4), randn((n,), dtype, "cpu", seed=5)
     cases = [
-        (fused_dense_function, (x, w1, b1), "FusedDenseFunc"),
-        (dense_no_bias_function, (x, w1), "DenseNoBiasFunc"),
-        (fused_dense_gelu_dense_function, (x, w1, b1, w2, b2), "FusedDenseGeluDenseFunc"),
+        (fused_dense_function, (x, w1, b1), "apex_fused_dense_linear_forward"),
+        (dense_no_bias_function, (x, w1), "apex_fused_dense_linear_forward"),
+        (fused_dense_gelu_dense_function, (x, w1, b1, w2, b2), "apex_fused_dense_linear_gelu_linear_forward"),
     ]
     for function, inputs, node in cases:
         results = {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from apex.core import checks
-from apex.core.library import autograd, op
+from apex.core.library import op
 from apex.fused_dense._plugin import KERNELS
 
 MATMUL_DTYPES = (*checks.FLOAT_DTYPES, torch.float64)
@@ -132,26 +132,26 @@ def linear_backward(a):
     return grad.mm(a.weight), grad.t().mm(a.input), d_bias
 
 
+# Autograd: registered on the forward ops with torch.library, for every device and for
+# torch.compile. The CUDA library registers the same formula in C++ (csrc/fused_dense_autograd.cpp,
+# for AutogradCUDA), which the dispatcher prefers for CUDA tensors once it is loaded: an eager call
+# then pays no Python autograd layer (benchmarks/NOTES.md, host time). The two save the same tensors
+# and call the same backward op.
+
+
 def _dense_setup_context(ctx, inputs, output) -> None:
-    input, weight = inputs[0], inputs[1]
-    ctx.has_bias = len(inputs) > 2
+    input, weight, bias = inputs
+    ctx.has_bias = bias is not None
     ctx.save_for_backward(input, weight)
 
 
 def _dense_backward(ctx, grad):
     input, weight = ctx.saved_tensors
     d_input, d_weight, d_bias = linear_backward(input, weight, grad.contiguous(), ctx.has_bias)
-    return (d_input, d_weight, d_bias) if ctx.has_bias else (d_input, d_weight)
+    return d_input, d_weight, d_bias if ctx.has_bias else None
 
 
-differentiable_linear_bias = autograd(linear_forward, _dense_setup_context, _dense_backward, "FusedDenseFunc")
-
-
-def _linear_no_bias(input, weight):
-    return linear_forward(input, weight, None)
-
-
-differentiable_linear_no_bias = autograd(_linear_no_bias, _dense_setup_context, _dense_backward, "DenseNoBiasFunc")
+torch.library.register_autograd(linear_forward, _dense_backward, setup_context=_dense_setup_context)
 
 
 # ---------------------------------------------------------------- dense -> GELU -> dense
@@ -233,14 +233,9 @@ def linear_gelu_linear_backward(a):
     return d_gelu_in.mm(a.weight1), d_weight1, d_bias1, d_weight2, d_bias2
 
 
-def _linear_gelu_linear(input, weight1, bias1, weight2, bias2):
-    output1, output2, gelu_in = linear_gelu_linear_forward(input, weight1, bias1, weight2, bias2)
-    return output2, output1, gelu_in
-
-
 def _gelu_setup_context(ctx, inputs, output) -> None:
     input, weight1, _, weight2, _ = inputs
-    _, output1, gelu_in = output
+    output1, _, gelu_in = output
     ctx.save_for_backward(input, gelu_in, output1, weight1, weight2)
     ctx.mark_non_differentiable(output1, gelu_in)
     # No zero-filled gradients for the two outputs kept for the backward (two [rows, hidden]
@@ -248,17 +243,13 @@ def _gelu_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _gelu_backward(ctx, grad, *_):
+def _gelu_backward(ctx, _grad_output1, grad, _grad_gelu_in):
     if grad is None:
         return None, None, None, None, None
     return linear_gelu_linear_backward(*ctx.saved_tensors, grad.contiguous())
 
 
-_differentiable_gelu = autograd(_linear_gelu_linear, _gelu_setup_context, _gelu_backward, "FusedDenseGeluDenseFunc")
-
-
-def differentiable_linear_gelu_linear(input, weight1, bias1, weight2, bias2):
-    return _differentiable_gelu(input, weight1, bias1, weight2, bias2)[0]
+torch.library.register_autograd(linear_gelu_linear_forward, _gelu_backward, setup_context=_gelu_setup_context)
 
 
 # ---------------------------------------------------------------- Megatron's weight-gradient accumulation

@@ -85,7 +85,7 @@ def fused_dense_function(input: torch.Tensor, weight: torch.Tensor, bias: torch.
     if _torch_path(input):
         _check(_ops._check_linear_forward, "linear_forward", input=rows, weight=weight, bias=bias)
         return _unrows(F.linear(rows, weight, bias), input)
-    return _unrows(_ops.differentiable_linear_bias(rows, weight, bias), input)
+    return _unrows(_ops.linear_forward(rows, weight, bias), input)
 
 
 def dense_no_bias_function(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def dense_no_bias_function(input: torch.Tensor, weight: torch.Tensor) -> torch.T
     if _torch_path(input):
         _check(_ops._check_linear_forward, "linear_forward", input=rows, weight=weight, bias=None)
         return _unrows(F.linear(rows, weight), input)
-    return _unrows(_ops.differentiable_linear_no_bias(rows, weight), input)
+    return _unrows(_ops.linear_forward(rows, weight, None), input)
 
 
 def fused_dense_gelu_dense_function(
@@ -127,7 +127,7 @@ def fused_dense_gelu_dense_function(
         )
         out = F.linear(F.gelu(F.linear(rows, weight1, bias1), approximate="tanh"), weight2, bias2)
         return _unrows(out, input)
-    return _unrows(_ops.differentiable_linear_gelu_linear(rows, weight1, bias1, weight2, bias2), input)
+    return _unrows(_ops.linear_gelu_linear_forward(rows, weight1, bias1, weight2, bias2)[1], input)
 
 
 def _reset_linear(weight: nn.Parameter, bias: nn.Parameter | None) -> None:
