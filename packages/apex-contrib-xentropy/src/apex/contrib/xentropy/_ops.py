@@ -176,6 +176,20 @@ def reference_backward(grad_losses, logits, lse, labels, smoothing, padding_idx,
     return grad.to(logits.dtype)
 
 
+def traced_backward(grad_losses, logits, lse, labels, smoothing, padding_idx):
+    """The math of ``softmax_cross_entropy_backward`` as pointwise torch ops for a traced backward:
+    no host sync and no in-place op, so that a compiler fuses it into one pass (the labels were
+    checked by the forward op)."""
+    compute = _compute_dtype(logits.dtype)
+    vocab = logits.shape[1]
+    g = grad_losses.to(compute).unsqueeze(1)
+    probs = torch.exp(logits.to(compute) - lse.to(compute).unsqueeze(1))
+    target = torch.arange(vocab, device=logits.device) == labels.unsqueeze(1)
+    grad = g * (probs - smoothing / vocab + torch.where(target, smoothing - 1.0, 0.0))
+    # where, not a product with a mask: a padding row's lse is 0, so its exp may be inf
+    return torch.where(padding_rows(labels, padding_idx).unsqueeze(1), 0.0, grad).to(logits.dtype)
+
+
 # ops --------------------------------------------------------------------------------------------
 
 
@@ -245,18 +259,19 @@ def _backward(ctx, grad_losses, _grad_lse):
     logits, labels, lse = ctx.saved_tensors
     if torch.is_grad_enabled():  # create_graph: differentiable torch ops (double backward)
         grad_logits = reference_backward(grad_losses, logits, None, labels, ctx.smoothing, ctx.padding_idx)
+    elif torch.compiler.is_compiling():
+        # Traced (torch.compile; Dynamo traces this backward itself): the formula as pointwise torch ops,
+        # which Inductor fuses into one kernel that may write over the saved logits once they are dead.
+        # Our out-of-place op there allocated a second [tokens, vocab] tensor (GPT-2's apex compiled
+        # step, H100: peak 8.67 GiB against eager's 7.24); the in-place op was functionalized into a copy
+        # of the logits first (1.09 ms a step), and Inductor on CUDA (torch 2.11) gave a gradient 22%
+        # wrong where the logits were a row-strided view of its padded matmul.
+        grad_logits = traced_backward(grad_losses, logits, lse, labels, ctx.smoothing, ctx.padding_idx)
     else:
         grad_losses = grad_losses.contiguous()
         if grad_losses.dtype not in (torch.float32, logits.dtype):
             grad_losses = grad_losses.float()
-        # In place only in eager mode. Traced (torch.compile: fake or functional tensors), the mutation of
-        # the saved logits is functionalized, and Inductor on CUDA (torch 2.11, H100) gave a gradient 22%
-        # wrong where the logits were a row-strided view of its padded matmul (test_torch_compile_fullgraph
-        # [cuda-True]); the out-of-place op gives the same values, and the compiler plans the memory.
-        # Dynamo traces this backward itself and answers type() with torch.Tensor, hence is_compiling():
-        # without it the compiled step ran the in-place op behind a copy of the logits (functionalized;
-        # GPT-2's step on an H100: a 1.09 ms clone of its [16384, 50304] bf16 logits).
-        if ctx.inplace_backward and not torch.compiler.is_compiling() and type(logits) is torch.Tensor:
+        if ctx.inplace_backward and type(logits) is torch.Tensor:
             softmax_cross_entropy_backward_(grad_losses, logits, lse, labels, ctx.smoothing, ctx.padding_idx)
             # A CUDA kernel's write is invisible to autograd: mark it, so that any later use of
             # the saved logits (a second backward, another node that saved them) raises.
