@@ -18,7 +18,8 @@ Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, op
 - ``apex-eager``: ``amp.initialize(opt_level="O2", cast_model_type=torch.bfloat16)``,
   ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form with ``memory_efficient=True``
   (each saves its output, which the next linear layer holds anyway, instead of the residual stream),
-  ``fused_apply_rotary_pos_emb``, ``FusedDense`` (GPT-2's attention projections),
+  ``fused_apply_rotary_pos_emb``, ``fused_swiglu`` (Llama's MLP; ours, not in upstream Apex),
+  ``FusedDense`` (GPT-2's attention projections),
   ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
   backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50); ResNet-50 keeps
   torchvision's ``nn.BatchNorm2d`` and ReLUs (``--resnet-bn apex``: ``apex.parallel.SyncBatchNorm``,
@@ -76,7 +77,7 @@ from apex.fused_dense import FusedDense, FusedDenseGeluDense
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.optimizers import FusedAdam, FusedSGD
 from apex.parallel import SyncBatchNorm
-from apex.transformer.functional import fused_apply_rotary_pos_emb
+from apex.transformer.functional import fused_apply_rotary_pos_emb, fused_swiglu
 
 NAME = "bench_e2e"
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data" / "tiny_corpus.txt"
@@ -150,6 +151,13 @@ class Kit:
         cos, sin = (c.to(t.dtype) for c in table)
         t1, t2 = t.chunk(2, dim=-1)
         return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of the gate and up projections' output ``[..., 2 * ffn]`` (halves in that order)."""
+        if self.apex:  # one kernel each way; autograd keeps only gate_up
+            return fused_swiglu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of ``logits [n, classes]``."""
@@ -266,8 +274,7 @@ class LlamaBlock(nn.Module):
             k, v = (t.repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not self.kit.expand_kv)
         h, x = self.kit.add_norm(self.norm2, x, self.proj(y.transpose(1, 2).reshape(b, s, w)))
-        gate, up = self.w13(h).chunk(2, dim=-1)
-        return x, self.w2(F.silu(gate) * up)
+        return x, self.w2(self.kit.swiglu(self.w13(h)))
 
 
 class Llama(nn.Module):

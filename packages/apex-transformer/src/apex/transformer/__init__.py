@@ -3,7 +3,8 @@
 - :mod:`apex.transformer.functional`: ``FusedScaleMaskSoftmax`` / ``GenericFusedScaleMaskSoftmax``
   and the fused softmax functions (``softmax(scale * x + mask)`` over the last dimension, causal or
   padding masks), and the fused rotary positional embeddings (``fused_apply_rotary_pos_emb`` and
-  its cached, ``thd`` and 2-D variants);
+  its cached, ``thd`` and 2-D variants); ``fused_swiglu``, the gated activation of Llama-style MLPs
+  (not in upstream Apex);
 - :mod:`apex.transformer.enums`: ``AttnMaskType`` and the other enums upstream had there.
 
 Importing it registers the ops (``torch.ops.apex_transformer.*``). The package also installs
