@@ -31,6 +31,20 @@ constexpr int kItems = 2;  // items a thread has in flight: 2 x 16 bytes per arr
 
 C10_DEVICE C10_ALWAYS_INLINE float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
+// V floats to p as T: 16-byte vectors with the streaming hint (nothing reads the results back from
+// L2 in this kernel, and they are larger than it), single elements plainly.
+template <int V, typename T>
+C10_DEVICE C10_ALWAYS_INLINE void store(T* p, const float (&src)[V]) {
+  if constexpr (sizeof(T) * V % 16 == 0) {
+    apex::AlignedVector<T, V> v;
+#pragma unroll
+    for (int j = 0; j < V; ++j) v.val[j] = static_cast<T>(src[j]);
+    apex::store_vector<T, V, /*kStreaming=*/true>(p, v);
+  } else {
+    apex::store_floats<V>(p, src);
+  }
+}
+
 // Item `item` of rows of `half` / V items: (row, column) -> element offsets.
 struct Items {
   int64_t per_row;  // half / V
@@ -67,7 +81,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_forward_kernel(const T* __res
         float result[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) result[j] = gate[k][j] * sigmoid(gate[k][j]) * up[k][j];
-        apex::store_floats<V>(output + out[k], result);
+        store<V>(output + out[k], result);
       }
     }
   }
@@ -103,8 +117,8 @@ __global__ void __launch_bounds__(kThreads)
           d_up[j] = grad[k][j] * g * s;
           d_gate[j] = grad[k][j] * up[k][j] * s * (1.0f + g * (1.0f - s));
         }
-        apex::store_floats<V>(grad_input + in[k], d_gate);
-        apex::store_floats<V>(grad_input + in[k] + items.half, d_up);
+        store<V>(grad_input + in[k], d_gate);
+        store<V>(grad_input + in[k] + items.half, d_up);
       }
     }
   }
