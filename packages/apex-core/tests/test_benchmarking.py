@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from apex.core.benchmarking import (
+    against_torch,
     bench_arguments,
     compare_ms,
     environment,
@@ -22,6 +23,19 @@ from apex.core.benchmarking import (
 def test_verdict_passes_at_and_above_the_bar_only():
     assert verdict("x", 1.2, 1.2).startswith("PASS: x")
     assert verdict("x", 1.19, 1.2).startswith("FAIL: x (measured 1.19, bar 1.20)")
+
+
+def test_against_torch_gives_the_cells_and_three_verdicts():
+    # 1 GB in 0.5 ms is 2000 GB/s, half of a 4000 GB/s copy; eager 3x, compiled 0.9x of ours
+    cells, verdicts = against_torch(
+        "case fwd", {"ours": 0.5, "eager": 1.5, "compiled": 0.45}, 1e9, 4000.0, {"eager": 2, "compiled": 1, "copy": 0.8}
+    )
+    assert cells == ["0.5000", "1.5000", "0.4500", "3.00", "0.90", "2000", "50.0"]
+    assert verdicts == [
+        "PASS: case fwd: eager/ours >= 2 (measured 3.00, bar 2.00)",
+        "FAIL: case fwd: compiled/ours >= 1 (measured 0.90, bar 1.00)",
+        "FAIL: case fwd: fraction of copy bandwidth >= 0.8 (measured 0.50, bar 0.80)",
+    ]
 
 
 def test_markdown_table_has_a_separator_and_one_line_per_row():

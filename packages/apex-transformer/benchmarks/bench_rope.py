@@ -28,15 +28,14 @@ import sys
 import torch
 
 from apex.core.benchmarking import (
+    against_torch,
     bench_arguments,
     copy_bandwidth_gbps,
-    gb_per_s,
     markdown_table,
     report,
     require_cuda,
     require_kernels,
     time_ms,
-    verdict,
 )
 
 DTYPE = torch.bfloat16
@@ -142,25 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                     for impl, fn in (("ours", ours), ("eager", eager), ("compiled", compiled))
                 }
             ms = {impl: time_ms([call], args.samples) for impl, call in calls.items()}
-            gbps = gb_per_s(bytes_moved, ms["ours"])
-            speedup, vs_compiled, of_copy = ms["eager"] / ms["ours"], ms["compiled"] / ms["ours"], gbps / copy_gbps
-            rows.append(
-                [
-                    name,
-                    pass_name,
-                    f"{ms['ours']:.4f}",
-                    f"{ms['eager']:.4f}",
-                    f"{ms['compiled']:.4f}",
-                    f"{speedup:.2f}",
-                    f"{vs_compiled:.2f}",
-                    f"{gbps:.0f}",
-                    f"{100 * of_copy:.1f}",
-                ]
-            )
-            label = f"{name} {pass_name}"
-            verdicts.append(verdict(f"{label}: eager/ours >= {BARS['eager']}", speedup, BARS["eager"]))
-            verdicts.append(verdict(f"{label}: compiled/ours >= {BARS['compiled']}", vs_compiled, BARS["compiled"]))
-            verdicts.append(verdict(f"{label}: fraction of copy bandwidth >= {BARS['copy']}", of_copy, BARS["copy"]))
+            cells, case_verdicts = against_torch(f"{name} {pass_name}", ms, bytes_moved, copy_gbps, BARS)
+            rows.append([name, pass_name, *cells])
+            verdicts += case_verdicts
     notes = [
         "bytes model: 4 B per bf16 element (read input or gradient, write result) + the float32 freqs table",
         "eager: Megatron's unfused rotate-half expression in bf16; compiled: the same under torch.compile",

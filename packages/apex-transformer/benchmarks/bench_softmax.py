@@ -32,16 +32,15 @@ import sys
 import torch
 
 from apex.core.benchmarking import (
+    against_torch,
     bench_arguments,
     copies_for_l2,
     copy_bandwidth_gbps,
-    gb_per_s,
     markdown_table,
     report,
     require_cuda,
     require_kernels,
     time_ms,
-    verdict,
 )
 
 SHAPES = [(96, 1024), (48, 2048), (24, 4096), (12, 8192)]  # (b * np, sq = sk)
@@ -148,27 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             for pass_ in ("fwd", "bwd"):
                 t = results[pass_]
                 bytes_moved = BYTES_PER_ELEMENT[pass_] * elements + (mask_bytes if pass_ == "fwd" else 0)
-                gbps = gb_per_s(bytes_moved, t["ours"])
-                vs_eager, vs_compiled = t["eager"] / t["ours"], t["compiled"] / t["ours"]
                 shape = f"[{batch_heads}, {s}, {s}]"
-                rows.append(
-                    [
-                        masking,
-                        pass_,
-                        shape,
-                        f"{t['ours']:.4f}",
-                        f"{t['eager']:.4f}",
-                        f"{t['compiled']:.4f}",
-                        f"{vs_eager:.2f}",
-                        f"{vs_compiled:.2f}",
-                        f"{gbps:.0f}",
-                        f"{100 * gbps / copy:.1f}",
-                    ]
-                )
-                what = f"{masking} {pass_} {shape}"
-                verdicts.append(verdict(f"{what} ours vs eager (x)", vs_eager, BARS["eager"]))
-                verdicts.append(verdict(f"{what} ours vs compiled (x)", vs_compiled, BARS["compiled"]))
-                verdicts.append(verdict(f"{what} fraction of copy bandwidth", gbps / copy, BARS["copy"]))
+                cells, case_verdicts = against_torch(f"{masking} {pass_} {shape}", t, bytes_moved, copy, BARS)
+                rows.append([masking, pass_, shape, *cells])
+                verdicts += case_verdicts
             torch.cuda.empty_cache()
     failed = sum(v.startswith("FAIL") for v in verdicts)
     body = [*markdown_table(header, rows), "", *verdicts, "", f"{len(verdicts) - failed} PASS, {failed} FAIL"]

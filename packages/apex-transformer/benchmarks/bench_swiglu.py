@@ -28,15 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from apex.core.benchmarking import (
+    against_torch,
     bench_arguments,
     copy_bandwidth_gbps,
-    gb_per_s,
     markdown_table,
     report,
     require_cuda,
     require_kernels,
     time_ms,
-    verdict,
 )
 
 DTYPE = torch.bfloat16
@@ -80,25 +79,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 calls = {impl: forward_backward(fn, x, grad) for impl, fn in impls}
             ms = {impl: time_ms([call], args.samples) for impl, call in calls.items()}
-            gbps = gb_per_s(elements * element, ms["ours"])
-            speedup, vs_compiled, of_copy = ms["eager"] / ms["ours"], ms["compiled"] / ms["ours"], gbps / copy_gbps
-            rows.append(
-                [
-                    name,
-                    pass_name,
-                    f"{ms['ours']:.4f}",
-                    f"{ms['eager']:.4f}",
-                    f"{ms['compiled']:.4f}",
-                    f"{speedup:.2f}",
-                    f"{vs_compiled:.2f}",
-                    f"{gbps:.0f}",
-                    f"{100 * of_copy:.1f}",
-                ]
-            )
-            label = f"{name} {pass_name}"
-            verdicts.append(verdict(f"{label}: eager/ours >= {BARS['eager']}", speedup, BARS["eager"]))
-            verdicts.append(verdict(f"{label}: compiled/ours >= {BARS['compiled']}", vs_compiled, BARS["compiled"]))
-            verdicts.append(verdict(f"{label}: fraction of copy bandwidth >= {BARS['copy']}", of_copy, BARS["copy"]))
+            cells, case_verdicts = against_torch(f"{name} {pass_name}", ms, elements * element, copy_gbps, BARS)
+            rows.append([name, pass_name, *cells])
+            verdicts += case_verdicts
     notes = [
         "bytes model: 2 B per bf16 element of [tokens, ffn]; forward 3 such tensors, forward + backward 8",
         "eager: F.silu(gate) * up over x.chunk(2, -1); compiled: the same under torch.compile",

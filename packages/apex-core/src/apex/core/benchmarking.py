@@ -154,6 +154,25 @@ def verdict(name: str, value: float, bar: float) -> str:
     return f"{'PASS' if value >= bar else 'FAIL'}: {name} (measured {value:.2f}, bar {bar:.2f})"
 
 
+def against_torch(
+    label: str, ms: Mapping[str, float], bytes_moved: float, copy_gbps: float, bars: Mapping[str, float]
+) -> tuple[list[str], list[str]]:
+    """One memory-bound case timed as ``ms["ours"]``, ``ms["eager"]`` and ``ms["compiled"]``: its table
+    cells (the three times, eager / ours, compiled / ours, ours' GB/s and % of ``copy_gbps``) and its
+    verdicts against ``bars["eager"]``, ``bars["compiled"]`` (speedups) and ``bars["copy"]`` (a fraction
+    of the copy bandwidth), each named after ``label``."""
+    gbps = gb_per_s(bytes_moved, ms["ours"])
+    speedup, vs_compiled, of_copy = ms["eager"] / ms["ours"], ms["compiled"] / ms["ours"], gbps / copy_gbps
+    cells = [f"{ms[k]:.4f}" for k in ("ours", "eager", "compiled")]
+    cells += [f"{speedup:.2f}", f"{vs_compiled:.2f}", f"{gbps:.0f}", f"{100 * of_copy:.1f}"]
+    verdicts = [
+        verdict(f"{label}: eager/ours >= {bars['eager']}", speedup, bars["eager"]),
+        verdict(f"{label}: compiled/ours >= {bars['compiled']}", vs_compiled, bars["compiled"]),
+        verdict(f"{label}: fraction of copy bandwidth >= {bars['copy']}", of_copy, bars["copy"]),
+    ]
+    return cells, verdicts
+
+
 def progress(row: Sequence[str]) -> None:
     """Print one measured row to stderr at once (the report comes at the end): a run cut short by a
     time limit still shows what it measured."""
