@@ -36,10 +36,11 @@ __all__ = [
 
 
 # Off CUDA the functions (and so the modules) run as torch's F.linear / F.gelu, differentiated by
-# torch's autograd, after the ops' checks: the ops' references there are the same GEMMs behind an
-# autograd Function and two op calls, which cost host time. 8x32 -> 64 fp32 forward + backward on 1
-# CPU thread: 0.101 ms through the ops, 0.065 through torch's (nn.Linear 0.054); 256x512 -> 2048 the
-# same (17.3 and 16.9, nn.Linear 17.2). The tests set this False to run the ops' path on the CPU.
+# torch's autograd, after the ops' checks: the ops' references there are the same GEMMs behind the
+# ops' Python autograd and two op calls, which cost host time. 8x32 -> 64 fp32 forward + backward on 1
+# CPU thread (measured with the earlier Python Function): 0.101 ms through the ops, 0.065 through
+# torch's (nn.Linear 0.054); 256x512 -> 2048 the same (17.3 and 16.9, nn.Linear 17.2). The tests set
+# this False to run the ops' path on the CPU. On CUDA the ops' autograd is C++ (AutogradCUDA).
 _TORCH_OFF_CUDA = True
 
 
