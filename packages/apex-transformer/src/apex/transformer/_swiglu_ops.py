@@ -25,7 +25,7 @@ from apex.transformer._plugin import KERNELS
 
 
 def _check_input(op: str, input: torch.Tensor) -> int:
-    """A contiguous float tensor with an even, non-zero last dimension; returns its half."""
+    """A contiguous float tensor with an even last dimension (zero included); returns its half."""
     if not input.dtype.is_floating_point:
         raise TypeError(f"{op}: input has dtype {input.dtype}; expected a floating-point dtype")
     if input.dim() == 0 or input.shape[-1] % 2 != 0:
