@@ -132,9 +132,7 @@ int64_t check_input(const char* op, const at::Tensor& input) {
   TORCH_CHECK_VALUE(input.dim() > 0 && input.size(-1) % 2 == 0, op,
                     ": input's last dimension must be even (gate and up halves), got shape ",
                     apex::checks::shape_string(input.sizes()));
-  TORCH_CHECK_VALUE(input.layout() == c10::kStrided, op, ": input has layout ", input.layout(),
-                    "; only dense (strided) tensors are supported");
-  TORCH_CHECK_VALUE(input.is_contiguous(), op, ": input is not contiguous");
+  apex::checks::dense(op, "input", input, input.device());
   return input.size(-1) / 2;
 }
 
@@ -182,19 +180,15 @@ at::Tensor swiglu_cuda(const at::Tensor& input) {
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input) {
   const char* op = "swiglu_backward";
   const int64_t half = check_input(op, input);
-  TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(), op, ": grad_output has dtype torch.",
-                   apex::checks::dtype_name(grad_output.scalar_type()), " but input has torch.",
-                   apex::checks::dtype_name(input.scalar_type()));
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(), op, ": grad_output has dtype ",
+                   apex::checks::torch_dtype(grad_output.scalar_type()), " but input has ",
+                   apex::checks::torch_dtype(input.scalar_type()));
   auto expected = input.sizes().vec();
   expected.back() = half;
   TORCH_CHECK_VALUE(grad_output.sizes() == c10::IntArrayRef(expected), op, ": grad_output has shape ",
                     apex::checks::shape_string(grad_output.sizes()), ", expected ",
                     apex::checks::shape_string(expected), " (input's, halved)");
-  TORCH_CHECK_VALUE(grad_output.layout() == c10::kStrided, op, ": grad_output has layout ", grad_output.layout(),
-                    "; only dense (strided) tensors are supported");
-  TORCH_CHECK_VALUE(grad_output.device() == input.device(), op, ": grad_output is on ", grad_output.device(),
-                    ", expected ", input.device());
-  TORCH_CHECK_VALUE(grad_output.is_contiguous(), op, ": grad_output is not contiguous");
+  apex::checks::dense(op, "grad_output", grad_output, input.device());
   const c10::cuda::CUDAGuard guard(input.device());
   at::Tensor grad_input = at::empty_like(input);
   const int64_t rows = half == 0 ? 0 : grad_output.numel() / half;
