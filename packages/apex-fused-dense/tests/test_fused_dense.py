@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex.core import loader
-from apex.core.testing import graph_reaches
+from apex.core.testing import graph_reaches, with_and_without_side_stream
 from apex.fused_dense import (
     FusedDense,
     FusedDenseGeluDense,
@@ -483,6 +483,33 @@ def test_runs_on_the_current_stream():
     torch.cuda.current_stream().wait_stream(side)
     expected = gelu_dense_float64(*(t.double() for t in (x, w1, b1, w2, b2)))
     assert_close_to_float64(out, expected, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", ["FusedDense", "FusedDenseGeluDense"])
+def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch, module):
+    # The backward's weight gradients run on a second stream (apex-core's apex/side_stream.h);
+    # APEX_SIDE_STREAM=0 queues the same GEMMs on the caller's stream. Both on a caller's own stream,
+    # with that stream's allocations right after the call reusing what the op freed: bitwise the
+    # same gradients, and float64's.
+    if module == "FusedDense":
+        x, w, b = params((2048, 256, 0, 512), torch.bfloat16, "cuda")
+        inputs = [x, w, b]
+        run = fused_dense_function
+        reference = F.linear
+    else:
+        inputs = list(gelu_params((2048, 256, 1024, 256), torch.bfloat16, "cuda"))
+        run = fused_dense_gelu_dense_function
+        reference = gelu_dense_float64
+    inputs = [t.requires_grad_() for t in inputs]
+    dy = randn((inputs[0].shape[0], inputs[-2].shape[0]), torch.bfloat16, "cuda", seed=6)
+    results = with_and_without_side_stream(monkeypatch, lambda: grads(run(*inputs), inputs, dy))
+    for on, off in zip(results["1"], results["0"]):
+        assert torch.equal(on, off)
+    inputs64 = float64_copies(*inputs)
+    expected = grads(reference(*inputs64), inputs64, dy.double())
+    for g, e in zip(results["1"], expected):
+        assert_close_to_float64(g, e, torch.bfloat16)
 
 
 @pytest.mark.multigpu

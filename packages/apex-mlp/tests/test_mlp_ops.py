@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from apex.core import loader
+from apex.core.testing import with_and_without_side_stream
 from apex.mlp import _ops
 from apex.mlp._plugin import KERNELS
 
@@ -370,3 +371,23 @@ def test_second_gpu():
     assert outputs[-1].device == grads[0].device == tensors[0].device
     expected, _, _ = float64_mlp(tensors[0], tensors[1:3], tensors[3:], 1)
     assert relative_error(outputs[-1], expected) <= tolerance(torch.bfloat16, 2)
+
+
+@pytest.mark.gpu
+def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch):
+    # The backward's weight gradients run on a second stream (apex-core's apex/side_stream.h);
+    # APEX_SIDE_STREAM=0 queues the same GEMMs on the caller's stream. Both on a caller's own stream,
+    # with that stream's allocations right after the call reusing what the op freed (its per-layer
+    # temporaries): bitwise the same gradients, and the float64 reference's.
+    tensors, layers = make_layers(4096, [256, 512, 512, 256], torch.bfloat16, "cuda")
+    x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
+    outputs = _ops.mlp_forward(x, weights, biases, 1)[:layers]
+    grad_output = torch.randn_like(outputs[-1])
+    results = with_and_without_side_stream(
+        monkeypatch, lambda: _ops.mlp_backward(grad_output, x, weights, outputs, [], True, 1, True)
+    )
+    for on, off in zip(results["1"], results["0"]):
+        assert torch.equal(on, off)
+    expected = float64_backward(x, weights, outputs, grad_output, 1)
+    for got, want in zip(results["1"], expected):
+        assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)

@@ -16,6 +16,9 @@ Worker functions live in the test file itself: test modules are imported under n
 child process cannot import, so the child loads the file by path instead. With ``backend
 ="nccl"`` rank r uses ``cuda:r``.
 
+``with_and_without_side_stream(monkeypatch, compute)`` runs a CUDA op's test under both settings of
+``APEX_SIDE_STREAM``, for the ops whose backward uses apex/side_stream.h.
+
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
 """
@@ -52,6 +55,25 @@ def graph_reaches(node, name: str, depth: int = 8) -> bool:
     if node is None or depth == 0:
         return False
     return name in node.name() or any(graph_reaches(n, name, depth - 1) for n, _ in node.next_functions)
+
+
+def with_and_without_side_stream(monkeypatch, compute) -> dict[str, list[torch.Tensor]]:
+    """``compute()`` (returning tensors) with ``APEX_SIDE_STREAM=1`` and then ``0`` (apex-core's
+    apex/side_stream.h), each time on a fresh caller stream whose allocations right after the call reuse
+    what the op freed (its temporaries must not be handed out while the side stream still reads them):
+    ``{"1": clones, "0": clones}``, for tests that the two settings agree bitwise."""
+    caller = torch.cuda.Stream()
+    results = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("APEX_SIDE_STREAM", setting)
+        caller.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(caller):
+            got = list(compute())
+            scribbles = [torch.full_like(t, 3.0) for t in got for _ in range(4)]
+        torch.cuda.current_stream().wait_stream(caller)
+        results[setting] = [t.clone() for t in got]
+        del scribbles
+    return results
 
 
 def _load(path: str):

@@ -27,6 +27,7 @@
 #include <apex/bias_grad.cuh>
 #include <apex/checks.h>
 #include <apex/cublaslt.h>
+#include <apex/side_stream.h>
 
 namespace {
 
@@ -188,11 +189,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   check_size(kOp, "grad_output", grad_output, 0, input.size(0), "input.size(0)");
   check_size(kOp, "grad_output", grad_output, 1, weight.size(0), "weight.size(0)");
   const c10::cuda::CUDAGuard device_guard(input.device());
-  apex::lt::Runner lt(input);
-  at::Tensor d_input = input_grad(lt, grad_output, weight);
+  // The weight's (and bias's) gradient on a second stream beside the input's (apex/side_stream.h).
+  apex::SideStream side;
+  apex::lt::Runner lt_side(input);
   at::Tensor d_weight = at::empty_like(weight);
   at::Tensor d_bias = at::empty({bias_grad ? weight.size(0) : 0}, weight.options());
-  weight_grad(lt, input, grad_output, d_weight, bias_grad ? &d_bias : nullptr, 0.0f);
+  side.run({input, grad_output, d_weight, d_bias}, [&] {
+    weight_grad(lt_side, input, grad_output, d_weight, bias_grad ? &d_bias : nullptr, 0.0f);
+  });
+  apex::lt::Runner lt(input);
+  at::Tensor d_input = input_grad(lt, grad_output, weight);
+  side.join();
   return {d_input, d_weight, d_bias};
 }
 
@@ -258,10 +265,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   check_size(kOp, "grad_output", grad_output, 1, n, "weight2.size(0)");
   const c10::cuda::CUDAGuard device_guard(input.device());
   apex::lt::Runner lt(input);
+  // The weights' (and bias2's) gradients on a second stream beside the input gradient's chain
+  // (apex/side_stream.h): the second layer's beside the pre-activation's gradient, the first's
+  // beside the input's.
+  apex::SideStream side;
+  apex::lt::Runner lt_side(input);
 
   at::Tensor d_weight2 = at::empty_like(weight2);
   at::Tensor d_bias2 = at::empty({n}, weight2.options());
-  weight_grad(lt, output1, grad_output, d_weight2, &d_bias2, 0.0f);
+  side.run({output1, grad_output, d_weight2, d_bias2},
+           [&] { weight_grad(lt_side, output1, grad_output, d_weight2, &d_bias2, 0.0f); });
 
   // The pre-activation's gradient: (grad_output @ weight2) * gelu'(gelu_in), and its column sums
   // (bias1's gradient): in one GEMM's epilogue where DGELU_BGRAD is on (off by default, see
@@ -307,8 +320,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
     }
   }
   at::Tensor d_weight1 = at::empty_like(weight1);
-  weight_grad(lt, input, d_gelu_in, d_weight1, nullptr, 0.0f);
+  side.run({input, d_gelu_in, d_weight1}, [&] { weight_grad(lt_side, input, d_gelu_in, d_weight1, nullptr, 0.0f); });
   at::Tensor d_input = input_grad(lt, d_gelu_in, weight1);
+  side.join();
   return {d_input, d_weight1, d_bias1, d_weight2, d_bias2};
 }
 

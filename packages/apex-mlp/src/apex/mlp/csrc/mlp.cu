@@ -35,6 +35,7 @@
 #include <apex/cublaslt.h>
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
+#include <apex/side_stream.h>
 #include <apex/vectorized.cuh>
 
 namespace {
@@ -300,6 +301,9 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
   const c10::cuda::CUDAGuard device_guard(input.device());
 
   apex::lt::Runner lt(input, kAlignment);
+  // The weight gradients on a second stream, beside the input gradients' chain (apex/side_stream.h).
+  apex::SideStream side;
+  apex::lt::Runner lt_side(input, kAlignment);
   std::vector<at::Tensor> grad_weights(layers);
   std::vector<at::Tensor> grad_biases(layers);
   at::Tensor grad = grad_output;
@@ -333,10 +337,12 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
       wgrad.epilogue = CUBLASLT_EPILOGUE_BGRADB;
       wgrad.bias = db.mutable_data_ptr();
     }
-    if (!lt.run(wgrad)) {
-      at::mm_out(dw, dz.t(), y_in);
-      if (db_in_gemm) activation_backward(dz, dz, kNone, db);
-    }
+    side.run({y_in, dz, dw, db}, [&] {
+      if (!lt_side.run(wgrad)) {
+        at::mm_out(dw, dz.t(), y_in);
+        if (db_in_gemm) activation_backward(dz, dz, kNone, db);
+      }
+    });
     grad_weights[i] = dw;
     grad_biases[i] = db;
 
@@ -370,6 +376,7 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
       grad = dy_in;
     }
   }
+  side.join();
   std::vector<at::Tensor> grads;
   grads.reserve(2 * layers + 1);
   if (input_grad) grads.push_back(grad);

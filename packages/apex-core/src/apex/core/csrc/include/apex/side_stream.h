@@ -1,0 +1,121 @@
+// apex::SideStream: part of an op's work on a second stream of the current device, beside what the
+// op queues on the current ("main") stream, joined back before the op returns.
+//
+// What it is for: a backward's weight-gradient GEMMs do not feed the rest of the backward, so they
+// can run while the main stream goes on with the input gradient's GEMM and the next layer's
+// memory-bound pass; the two streams fill each other's idle multiprocessors (a GEMM's last,
+// partial wave; an element-wise pass that cannot use the tensor cores).
+//
+//   apex::SideStream side;                       // on the current device, after the CUDAGuard
+//   at::Tensor dw = at::empty_like(w);           // outputs: allocate on the main stream, before
+//   side.run({x, dz, dw}, [&] { ...dw... });     // runs after all the main stream has queued so far
+//   ...main-stream work...
+//   side.join();                                 // (the destructor joins too)
+//
+// Rules the callers keep:
+// - Allocate what the side work returns on the main stream before run() (the caching allocator
+//   ties a block to the stream it was allocated on; an output allocated on the side stream could
+//   be handed out again to side-stream work while the main stream still reads it).
+// - Name in run()'s list every tensor from the main stream the side work reads or writes: each is
+//   recorded on the side stream, so freeing it early (a temporary of the op's loop) does not let the
+//   main stream reuse its memory before the side work is done.
+// - A cuBLASLt runner (apex::lt::Runner) is bound to one stream's use of its workspace: give the
+//   side work its own runner.
+// Everything before join() on the side stream is ordered after what the main stream queued before
+// run(); everything on the main stream after join() is ordered after all side work.
+//
+// APEX_SIDE_STREAM=0 in the environment (read when a SideStream is made) runs the side work inline
+// on the main stream instead: the same kernels in one stream (benchmarks compare the two).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+
+namespace apex {
+namespace {
+
+// The side stream of a device: one for the library's lifetime (each library that includes this
+// header has its own). The caching allocator reuses a freed block only on the stream it was
+// allocated on, so a fresh pool stream per call would leave a cached workspace on each of the
+// pool's streams.
+inline c10::cuda::CUDAStream side_stream_of(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams.find(device);
+  if (it == streams.end()) {
+    it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first;
+  }
+  return it->second;
+}
+
+inline bool side_stream_enabled() {
+  const char* text = std::getenv("APEX_SIDE_STREAM");
+  return text == nullptr || std::strcmp(text, "0") != 0;
+}
+
+class SideStream {
+ public:
+  SideStream() : main_(c10::cuda::getCurrentCUDAStream()), enabled_(side_stream_enabled()) {}
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    try {
+      join();
+    } catch (...) {  // a CUDA error here shows again at the next call that checks
+    }
+  }
+
+  bool enabled() const { return enabled_; }
+
+  // Runs work() with the side stream current (inline on the main stream when disabled).
+  template <typename Work>
+  void run(std::initializer_list<at::Tensor> uses, Work&& work) {
+    if (!enabled_) {
+      work();
+      return;
+    }
+    if (!side_) side_ = side_stream_of(main_.device_index());
+    at::cuda::CUDAEvent fork;
+    fork.record(main_);
+    fork.block(*side_);
+    {
+      const c10::cuda::CUDAStreamGuard guard(*side_);
+      work();
+    }
+    for (const at::Tensor& t : uses) {
+      if (t.defined() && t.has_storage() && t.storage().data_ptr().get() != nullptr) {
+        c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), *side_);
+      }
+    }
+    pending_ = true;
+  }
+
+  // The main stream waits for all side work queued so far.
+  void join() {
+    if (!pending_) return;
+    at::cuda::CUDAEvent done;
+    done.record(*side_);
+    done.block(main_);
+    pending_ = false;
+  }
+
+ private:
+  c10::cuda::CUDAStream main_;
+  bool enabled_;
+  std::optional<c10::cuda::CUDAStream> side_;
+  bool pending_ = false;
+};
+
+}  // namespace
+}  // namespace apex
