@@ -19,7 +19,8 @@ Stacks, each a full step (zero_grad, forward, loss, backward, clip to norm 1, op
   ``FusedLayerNorm`` / ``FusedRMSNorm`` in their fused residual-add form with ``memory_efficient=True``
   (each saves its output, which the next linear layer holds anyway, instead of the residual stream),
   ``fused_apply_rotary_pos_emb``, ``fused_swiglu`` (Llama's MLP; ours, not in upstream Apex),
-  ``FusedDense`` (GPT-2's attention projections),
+  ``FusedDense`` (GPT-2's attention projections; Llama's bias-free projections stay ``nn.Linear``
+  unless ``--llama-linear apex``),
   ``FusedDenseGeluDense`` (GPT-2's MLP), ``SoftmaxCrossEntropyLoss`` (float32 losses, in-place
   backward), apex's ``clip_grad_norm_``, ``FusedAdam`` (``FusedSGD`` for ResNet-50); ResNet-50 keeps
   torchvision's ``nn.BatchNorm2d`` and ReLUs (``--resnet-bn apex``: ``apex.parallel.SyncBatchNorm``,
@@ -60,7 +61,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -110,6 +111,9 @@ class Kit:
     # Key and value heads repeated for the query heads before attention: only for counting FLOPs, as
     # older FlopCounterModes refuse grouped-query shapes (the count is the same).
     expand_kv: bool = False
+    # Llama's bias-free projections as apex's FusedDense (bias=False) in the apex stacks
+    # (``--llama-linear apex``); nn.Linear otherwise.
+    fused_projections: bool = False
 
     def layer_norm(self, width: int) -> nn.Module:
         if self.apex:
@@ -134,6 +138,13 @@ class Kit:
         """A projection with a bias: apex's FusedDense computes the bias gradient in one pass over the
         output gradient (ATen's ``AddmmBackward0`` sums it with a generic reduction)."""
         return FusedDense(width, out) if self.apex else nn.Linear(width, out)
+
+    def projection(self, width: int, out: int) -> nn.Module:
+        """A projection without a bias: FusedDense's backward computes the weight gradient on a second
+        stream beside the input gradient (apex-core's apex/side_stream.h)."""
+        if self.apex and self.fused_projections:
+            return FusedDense(width, out, bias=False)
+        return nn.Linear(width, out, bias=False)
 
     def gelu_mlp(self, width: int, hidden: int) -> nn.Module:
         return FusedDenseGeluDense(width, hidden, width) if self.apex else GeluMLP(width, hidden)
@@ -256,11 +267,11 @@ class LlamaBlock(nn.Module):
         self.kit, self.heads, self.kv_heads = kit, cfg.heads, cfg.kv_heads
         self.head_dim = cfg.width // cfg.heads
         self.norm1 = kit.rms_norm(cfg.width)
-        self.wqkv = nn.Linear(cfg.width, (cfg.heads + 2 * cfg.kv_heads) * self.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.width, cfg.width, bias=False)
+        self.wqkv = kit.projection(cfg.width, (cfg.heads + 2 * cfg.kv_heads) * self.head_dim)
+        self.proj = kit.projection(cfg.width, cfg.width)
         self.norm2 = kit.rms_norm(cfg.width)
-        self.w13 = nn.Linear(cfg.width, 2 * cfg.ffn, bias=False)  # gate and up projections together
-        self.w2 = nn.Linear(cfg.ffn, cfg.width, bias=False)
+        self.w13 = kit.projection(cfg.width, 2 * cfg.ffn)  # gate and up projections together
+        self.w2 = kit.projection(cfg.ffn, cfg.width)
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, rope):
         h, x = self.kit.add_norm(self.norm1, x, pending)
@@ -440,7 +451,7 @@ def image_batches(cfg: ImageConfig, device: torch.device, count: int, seed: int)
     return batches
 
 
-def model_spec(name: str, smoke: bool, seed: int, resnet_bn: str = "torch") -> ModelSpec:
+def model_spec(name: str, smoke: bool, seed: int, resnet_bn: str = "torch", llama_linear: str = "torch") -> ModelSpec:
     if name in ("gpt2", "llama1b"):
         if name == "gpt2":
             cfg = TransformerConfig(vocab=50304, seq=1024, batch=16, layers=12, width=768, heads=12)
@@ -456,12 +467,17 @@ def model_spec(name: str, smoke: bool, seed: int, resnet_bn: str = "torch") -> M
             name,
             "tokens",
             cfg,
-            lambda kit: arch(cfg, kit),
+            lambda kit: arch(cfg, replace(kit, fused_projections=llama_linear == "apex")),
             lambda device, count: corpus_batches(cfg, device, count, seed),
             "adam",
             lr=6e-4,
             weight_decay=0.1,
-            describe=f"batch {cfg.batch} x {cfg.seq}, {cfg.layers} layers, width {cfg.width}, vocabulary {cfg.vocab}",
+            describe=f"batch {cfg.batch} x {cfg.seq}, {cfg.layers} layers, width {cfg.width}, vocabulary {cfg.vocab}"
+            + (
+                "; the apex stacks' projections FusedDense(bias=False)"
+                if name == "llama1b" and llama_linear == "apex"
+                else ""
+            ),
         )
     if name == "resnet50":
         cfg = ImageConfig(batch=4, size=32, classes=10, tiny=True) if smoke else ImageConfig(batch=256, size=224)
@@ -824,7 +840,7 @@ class Result:
 
 def run_model(name: str, stacks: list[str], args, device: torch.device) -> Result:
     start = time.perf_counter()
-    spec = model_spec(name, args.smoke, args.seed, args.resnet_bn)
+    spec = model_spec(name, args.smoke, args.seed, args.resnet_bn, args.llama_linear)
     print(f"{name}: {spec.describe}; building {', '.join(stacks)}", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     with torch.device(device):
@@ -1045,6 +1061,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=("apex", "torch"),
         default="torch",
         help="the apex stacks' ResNet-50 batch norms: torch's, or apex SyncBatchNorm with fused ReLU and residual add",
+    )
+    p.add_argument(
+        "--llama-linear",
+        choices=("apex", "torch"),
+        default="torch",
+        help="the apex stacks' Llama projections (bias-free): nn.Linear, or apex FusedDense(bias=False)",
     )
     p.add_argument("--smoke", action="store_true", help="tiny models, 1 step per turn, 1 round; CPU allowed")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cpu only with --smoke")

@@ -62,3 +62,19 @@ def test_loss():
     logits = torch.randn(7, 11, dtype=torch.float32)
     targets = torch.randint(0, 11, (7,))
     assert_same(both(lambda kit, t: kit.loss(t.clone(), targets), logits))
+
+
+def test_llama_projections():
+    # --llama-linear apex: FusedDense(bias=False) in the apex kit, nn.Linear in the native one, the
+    # same weight loaded into both (bench_e2e loads one state dict into every stack).
+    fused = bench_e2e.Kit(apex=True, fused_projections=True).projection(12, 20)
+    plain = NATIVE.projection(12, 20)
+    assert type(fused).__name__ == "FusedDense" and isinstance(plain, torch.nn.Linear)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(3, 4, 12)
+    results = []
+    for module in (fused, plain):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf)
+        results.append((out.detach(), torch.autograd.grad(out, [leaf, module.weight], torch.ones_like(out))))
+    assert_same(results)
