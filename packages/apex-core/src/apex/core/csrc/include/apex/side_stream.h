@@ -76,8 +76,6 @@ class SideStream {
     }
   }
 
-  bool enabled() const { return enabled_; }
-
   // Runs work() with the side stream current (inline on the main stream when disabled).
   template <typename Work>
   void run(std::initializer_list<at::Tensor> uses, Work&& work) {
