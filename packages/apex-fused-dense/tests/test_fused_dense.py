@@ -10,12 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex.core import loader
-from apex.core.streams import side_stream
 from apex.core.testing import graph_reaches, with_and_without_side_stream
 from apex.fused_dense import (
     FusedDense,
     FusedDenseGeluDense,
-    _layers,
     _ops,
     dense_no_bias_function,
     fused_dense_function,
@@ -512,109 +510,6 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch, modul
     expected = grads(reference(*inputs64), inputs64, dy.double())
     for g, e in zip(results["1"], expected):
         assert_close_to_float64(g, e, torch.bfloat16)
-
-
-def layer_stack(module, dtype, device):
-    """Three layers in a row (so that a weight-gradient node can overlap the next layer's backward):
-    (run(x, params) -> y, params, reference(x, params) -> y)."""
-    shape = (512, 64, 128, 64)
-    if module == "FusedDense":
-        layers = [params(shape, dtype, device, bias=i != 1)[1:] for i in range(3)]
-
-        def run(x, ps, f=None):
-            for w, b in zip(ps[0::2], ps[1::2]):
-                x = (f or fused_dense_function)(x, w, b) if b is not None else (f or dense_no_bias_function)(x, w)
-            return x
-
-        def reference(x, ps):
-            return run(x, ps, F.linear)
-
-    else:
-        layers = [gelu_params(shape, dtype, device)[1:] for _ in range(3)]
-
-        def run(x, ps):
-            for i in range(0, len(ps), 4):
-                x = fused_dense_gelu_dense_function(x, *ps[i : i + 4])
-            return x
-
-        def reference(x, ps):
-            for i in range(0, len(ps), 4):
-                x = gelu_dense_float64(x, *ps[i : i + 4])
-            return x
-
-    flat = [t for layer in layers for t in layer]
-    return run, flat, reference
-
-
-@pytest.mark.parametrize("module", ["FusedDense", "FusedDenseGeluDense"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_weight_gradient_nodes_match_float64(device, monkeypatch, module, dtype):
-    # APEX_SIDE_STREAM=layers: each layer's weight gradient is an autograd node of its own (on the
-    # side stream on CUDA; in order on the CPU, where the graph is the same). Every gradient, also of
-    # the parameters no gradient is asked for, against float64's.
-    monkeypatch.setenv("APEX_SIDE_STREAM", "layers")
-    monkeypatch.setattr(_layers, "wanted", lambda *a: _layers_wanted(*a) or not a[0].is_cuda)
-    run, ps, reference = layer_stack(module, dtype, device)
-    x = randn((512, 64), dtype, device, seed=9).requires_grad_()
-    inputs = [x] + [p.requires_grad_() for p in ps if p is not None]
-    out = run(x, ps)
-    assert type(out.grad_fn).__name__ in ("_DenseBackward", "_JoinBackward")
-    dy = randn(out.shape, dtype, device, seed=10)
-    got = grads(out, inputs, dy)
-    inputs64 = float64_copies(*inputs)
-    ps64 = iter(inputs64[1:])
-    expected_out = reference(inputs64[0], [None if p is None else next(ps64) for p in ps])
-    assert_close_to_float64(out.detach(), expected_out.detach(), dtype, "output")
-    for i, (g, e) in enumerate(zip(got, grads(expected_out, inputs64, dy.double()))):
-        assert_close_to_float64(g, e, dtype, f"gradient {i}")
-
-
-_layers_wanted = _layers.wanted
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("module", ["FusedDense", "FusedDenseGeluDense"])
-def test_weight_gradient_nodes_are_done_when_backward_returns(monkeypatch, module):
-    # The side stream is kept busy (a spin) before the backward, so its weight gradients finish long
-    # after the caller's stream is through the input gradients: backward() must leave the caller's
-    # stream waiting on them (autograd's leaf-stream rule), and what the caller allocates right after
-    # must not take memory the side stream still reads. Then the .grad of every parameter, read on
-    # the caller's stream at once, equals the one computed with everything on one stream.
-    run, ps, _ = layer_stack(module, torch.bfloat16, "cuda")
-    ps = [p.requires_grad_() for p in ps if p is not None]
-    x = randn((512, 64), torch.bfloat16, "cuda", seed=9).requires_grad_()
-    results = {}
-    for mode in ("0", "layers"):
-        monkeypatch.setenv("APEX_SIDE_STREAM", mode)
-        for p in ps:
-            p.grad = None
-        out = run(x, ps)
-        assert (type(out.grad_fn).__name__ in ("_DenseBackward", "_JoinBackward")) == (mode == "layers")
-        with torch.cuda.stream(side_stream(torch.device("cuda"))):
-            torch.cuda._sleep(20_000_000)
-        out.backward(randn(out.shape, torch.bfloat16, "cuda", seed=10))
-        results[mode] = [p.grad.clone() for p in ps]
-        scribbles = [torch.full((512, 128), 3.0, device="cuda", dtype=torch.bfloat16) for _ in range(16)]
-        del scribbles
-    torch.cuda.synchronize()
-    for i, (on, off) in enumerate(zip(results["layers"], results["0"])):
-        # dW: the same GEMM, torch.mm against the op's cuBLASLt call; compare to bf16 rounding
-        torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2, msg=f"parameter {i}")
-
-
-@pytest.mark.gpu
-def test_weight_gradient_nodes_only_where_they_can_run(monkeypatch):
-    # Not under no_grad, CUDA-graph capture or torch.compile tracing, nor without a parameter that
-    # needs a gradient: there the one-node op runs (APEX_SIDE_STREAM=layers or not).
-    monkeypatch.setenv("APEX_SIDE_STREAM", "layers")
-    x, w, b = params((64, 32, 0, 16), torch.bfloat16, "cuda")
-    assert not _layers.wanted(x, w, b)
-    w.requires_grad_()
-    assert _layers.wanted(x, w, b)
-    with torch.no_grad():
-        assert not _layers.wanted(x, w, b)
-    monkeypatch.setenv("APEX_SIDE_STREAM", "1")
-    assert not _layers.wanted(x, w, b)
 
 
 @pytest.mark.multigpu

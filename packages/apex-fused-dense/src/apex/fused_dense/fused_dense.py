@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from apex.core.library import Args
-from apex.fused_dense import _layers, _ops
+from apex.fused_dense import _ops
 
 __all__ = [
     "FusedDense",
@@ -86,8 +86,6 @@ def fused_dense_function(input: torch.Tensor, weight: torch.Tensor, bias: torch.
     if _torch_path(input):
         _check(_ops._check_linear_forward, "linear_forward", input=rows, weight=weight, bias=bias)
         return _unrows(F.linear(rows, weight, bias), input)
-    if _layers.wanted(rows, weight, bias):
-        return _unrows(_layers.dense(rows, weight, bias), input)
     return _unrows(_ops.linear_forward(rows, weight, bias), input)
 
 
@@ -98,8 +96,6 @@ def dense_no_bias_function(input: torch.Tensor, weight: torch.Tensor) -> torch.T
     if _torch_path(input):
         _check(_ops._check_linear_forward, "linear_forward", input=rows, weight=weight, bias=None)
         return _unrows(F.linear(rows, weight), input)
-    if _layers.wanted(rows, weight):
-        return _unrows(_layers.dense(rows, weight, None), input)
     return _unrows(_ops.linear_forward(rows, weight, None), input)
 
 
@@ -132,8 +128,6 @@ def fused_dense_gelu_dense_function(
         )
         out = F.linear(F.gelu(F.linear(rows, weight1, bias1), approximate="tanh"), weight2, bias2)
         return _unrows(out, input)
-    if _layers.wanted(rows, weight1, bias1, weight2, bias2):
-        return _unrows(_layers.gelu_dense(rows, weight1, bias1, weight2, bias2), input)
     return _unrows(_ops.linear_gelu_linear_forward(rows, weight1, bias1, weight2, bias2)[1], input)
 
 
