@@ -189,8 +189,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   check_size(kOp, "grad_output", grad_output, 0, input.size(0), "input.size(0)");
   check_size(kOp, "grad_output", grad_output, 1, weight.size(0), "weight.size(0)");
   const c10::cuda::CUDAGuard device_guard(input.device());
-  // The weight's (and bias's) gradient on a second stream beside the input's (apex/side_stream.h).
-  apex::SideStream side;
+  // The weight's (and bias's) gradient on a second stream beside the input's (apex/side_stream.h),
+  // unless the GEMMs are large enough that two at once contend.
+  apex::SideStream side(apex::side_stream_pays(double(input.size(0)) * input.size(1) * weight.size(0)));
   apex::lt::Runner lt_side(input);
   at::Tensor d_weight = at::empty_like(weight);
   at::Tensor d_bias = at::empty({bias_grad ? weight.size(0) : 0}, weight.options());
@@ -268,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   // The weights' (and bias2's) gradients on a second stream beside the input gradient's chain
   // (apex/side_stream.h): the second layer's beside the pre-activation's gradient, the first's
   // beside the input's.
-  apex::SideStream side;
+  apex::SideStream side(apex::side_stream_pays(double(m) * h * std::max(input.size(1), n)));
   apex::lt::Runner lt_side(input);
 
   at::Tensor d_weight2 = at::empty_like(weight2);

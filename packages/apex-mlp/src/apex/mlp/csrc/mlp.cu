@@ -301,8 +301,11 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
   const c10::cuda::CUDAGuard device_guard(input.device());
 
   apex::lt::Runner lt(input, kAlignment);
-  // The weight gradients on a second stream, beside the input gradients' chain (apex/side_stream.h).
-  apex::SideStream side;
+  // The weight gradients on a second stream, beside the input gradients' chain (apex/side_stream.h),
+  // unless the largest layer's GEMMs are large enough that two at once contend.
+  double largest_macs = 0.0;
+  for (const at::Tensor& w : weights) largest_macs = std::max(largest_macs, double(batch) * w.size(0) * w.size(1));
+  apex::SideStream side(apex::side_stream_pays(largest_macs));
   apex::lt::Runner lt_side(input, kAlignment);
   std::vector<at::Tensor> grad_weights(layers);
   std::vector<at::Tensor> grad_biases(layers);

@@ -64,9 +64,23 @@ inline bool side_stream_enabled() {
   return text == nullptr || std::strcmp(text, "0") != 0;
 }
 
+// The largest GEMM (multiply-adds, m * n * k) a caller puts beside another one. Two GEMMs that each
+// fill the GPU many times over gain nothing from a second stream and lose to the contention: H100,
+// bf16, the ops' forward + backward, one stream against the side stream, alternating in one process
+// (2026-12-06): dense layers of 5.5e11 multiply-adds per GEMM (8192x4096x16384) 1.007-1.020x with it,
+// of 4.4e12 (16384x8192x32768) 0.991x. 2^40 (1.1e12) lies between.
+constexpr double kSideStreamMaxGemmMacs = 1099511627776.0;
+
+// Whether GEMMs of `macs` multiply-adds go on the side stream (callers pass their largest).
+inline bool side_stream_pays(double macs) {
+  return macs <= kSideStreamMaxGemmMacs;
+}
+
 class SideStream {
  public:
-  SideStream() : main_(c10::cuda::getCurrentCUDAStream()), enabled_(side_stream_enabled()) {}
+  // use=false (a caller's size rule, side_stream_pays) runs the side work inline, as APEX_SIDE_STREAM=0.
+  explicit SideStream(bool use = true)
+      : main_(c10::cuda::getCurrentCUDAStream()), enabled_(use && side_stream_enabled()) {}
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   ~SideStream() {
