@@ -4,6 +4,10 @@ initialisation as nn.Linear, bad input naming the argument, opcheck, torch.compi
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -218,6 +222,38 @@ def test_cuda_graph_capture_of_a_new_problem():
     (eager_dx,) = torch.autograd.grad(eager, x2, dy)
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(dx, eager_dx)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_is_the_side_streams_first_use():
+    # A fresh process whose first backward (so the side stream's first use, apex/side_stream.h) is
+    # inside a capture: the side stream is not created there (the work runs inline for that call), the
+    # capture succeeds, the replay gives the eager result, and the eager backward after it takes the
+    # side stream. In this test process an earlier test may have made the stream already.
+    code = textwrap.dedent(
+        """
+        import torch
+        from apex.fused_dense import FusedDense, FusedDenseGeluDense
+        torch.manual_seed(0)
+        for layer in (FusedDenseGeluDense(64, 192, 48).cuda(), FusedDense(64, 48).cuda()):
+            x = torch.randn(40, 64, device="cuda", requires_grad=True)
+            dy = torch.randn(40, 48, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(x)
+                (dx,) = torch.autograd.grad(out, x, dy)
+            graph.replay()
+            torch.cuda.synchronize()
+            x2 = x.detach().clone().requires_grad_()
+            eager = layer(x2)
+            (eager_dx,) = torch.autograd.grad(eager, x2, dy)
+            torch.testing.assert_close(out, eager)
+            torch.testing.assert_close(dx, eager_dx)
+        print("OK")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
 def test_gelu_forward_keeps_the_pre_activation(device):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -371,6 +374,38 @@ def test_second_gpu():
     assert outputs[-1].device == grads[0].device == tensors[0].device
     expected, _, _ = float64_mlp(tensors[0], tensors[1:3], tensors[3:], 1)
     assert relative_error(outputs[-1], expected) <= tolerance(torch.bfloat16, 2)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_is_the_side_streams_first_use():
+    # A fresh process whose first MLP backward (the side stream's first use, apex/side_stream.h) is
+    # inside a CUDA graph capture: nothing is created there (that call runs inline), the capture
+    # succeeds and the replay gives the eager result.
+    code = textwrap.dedent(
+        """
+        import torch
+        from apex.mlp import MLP
+        torch.manual_seed(0)
+        mlp = MLP([64, 96, 48]).cuda()
+        x = torch.randn(40, 64, device="cuda", requires_grad=True)
+        dy = torch.randn(40, 48, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = mlp(x)
+            grads = torch.autograd.grad(out, [x, *mlp.parameters()], dy)
+        graph.replay()
+        torch.cuda.synchronize()
+        x2 = x.detach().clone().requires_grad_()
+        eager = mlp(x2)
+        eager_grads = torch.autograd.grad(eager, [x2, *mlp.parameters()], dy)
+        torch.testing.assert_close(out, eager)
+        for g, e in zip(grads, eager_grads):
+            torch.testing.assert_close(g, e)
+        print("OK")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
 @pytest.mark.gpu

@@ -31,6 +31,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -47,13 +48,19 @@ namespace {
 // The side stream of a device: one for the library's lifetime (each library that includes this
 // header has its own). The caching allocator reuses a freed block only on the stream it was
 // allocated on, so a fresh pool stream per call would leave a cached workspace on each of the
-// pool's streams.
-inline c10::cuda::CUDAStream side_stream_of(c10::DeviceIndex device) {
+// pool's streams. None while it does not exist yet and `main` is being captured into a CUDA graph:
+// its first use may create the device's pool of streams, and nothing is created inside a capture
+// (the caller runs the side work inline for that call; cudaStreamIsCapturing is safe in a capture).
+inline std::optional<c10::cuda::CUDAStream> side_stream_of(const c10::cuda::CUDAStream& main) {
   static std::mutex mutex;
   static std::unordered_map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  const c10::DeviceIndex device = main.device_index();
   const std::lock_guard<std::mutex> lock(mutex);
   auto it = streams.find(device);
   if (it == streams.end()) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(main.stream(), &status));
+    if (status != cudaStreamCaptureStatusNone) return std::nullopt;
     it = streams.emplace(device, c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device)).first;
   }
   return it->second;
@@ -97,7 +104,11 @@ class SideStream {
       work();
       return;
     }
-    if (!side_) side_ = side_stream_of(main_.device_index());
+    if (!side_) side_ = side_stream_of(main_);
+    if (!side_) {  // inside a capture before the side stream exists
+      work();
+      return;
+    }
     at::cuda::CUDAEvent fork;
     fork.record(main_);
     fork.block(*side_);
