@@ -380,18 +380,18 @@ def test_second_gpu():
 def test_cuda_graph_capture_is_the_side_streams_first_use():
     # A fresh process whose first MLP backward (the side stream's first use, apex/side_stream.h) is
     # inside a CUDA graph capture: nothing is created there (that call runs inline), the capture
-    # succeeds and the replay gives the eager result. A no-grad forward at another row count before
-    # the capture creates the thread's cuBLAS handles, as PyTorch requires (cublasCreate fails inside
-    # a capture).
+    # succeeds and the replay gives the eager result. A plain torch GEMM's forward and backward before
+    # the capture create the cuBLAS handles of this thread and of autograd's device thread, as PyTorch
+    # requires (cublasCreate fails inside a capture).
     code = textwrap.dedent(
         """
         import torch
         from apex.mlp import MLP
         torch.manual_seed(0)
-        mlp = MLP([64, 96, 48]).cuda()
-        with torch.no_grad():
-            mlp(torch.randn(8, 64, device="cuda"))
+        warm = torch.randn(8, 8, device="cuda", requires_grad=True)
+        (warm @ warm).sum().backward()
         torch.cuda.synchronize()
+        mlp = MLP([64, 96, 48]).cuda()
         x = torch.randn(40, 64, device="cuda", requires_grad=True)
         dy = torch.randn(40, 48, device="cuda")
         graph = torch.cuda.CUDAGraph()
