@@ -1,11 +1,16 @@
 """What each cuBLASLt epilogue is worth: apex-fused-dense's and apex-mlp's forward+backward with the
 default epilogues, with some of them switched off ("-name": APEX_CUBLASLT_DISABLE; a plain GEMM and
 ATen ops or apex-core's passes instead) or default-off ones switched on ("+name":
-APEX_CUBLASLT_ENABLE), against eager PyTorch, in one process (CUDA only). The variables are read on
-every call; the variants' samples are interleaved in rotating order (apex-core's compare_ms), so a
-drift over the run does not fall on whichever variant came last.
+APEX_CUBLASLT_ENABLE), or the backward's weight gradients on the caller's stream instead of the side
+stream ("one_stream": APEX_SIDE_STREAM=0), against eager PyTorch, in one process (CUDA only). The
+variables are read on every call; the variants' samples are interleaved in rotating order (apex-core's
+compare_ms), so a drift over the run does not fall on whichever variant came last.
 
     python packages/apex-fused-dense/benchmarks/profile_epilogues.py [--samples N] [--kernels]
+        [--shapes 8192x1024,16384x768] [--variants default,one_stream]
+
+--shapes: tokens x hidden (the layers are hidden -> 4*hidden [-> hidden]); --variants: only these
+(of each case's list; "default" is the defaults).
 
 --kernels also prints the CUDA kernels (name, total ms over 5 steps) of ours and of eager at the
 first shape, from torch.profiler: which GEMM kernels cuBLASLt picked with each epilogue.
@@ -23,9 +28,9 @@ from apex.fused_dense import FusedDense, FusedDenseGeluDense
 
 DTYPE = torch.bfloat16
 SHAPES = [(8192, 1024), (8192, 4096)]
-GELU_VARIANTS = ["", "-gelu_aux", "+dgelu_only", "+dgelu", "+bgradb", "-bias", "-all"]
-DENSE_VARIANTS = ["", "-bias", "+bgradb", "-all"]
-MLP_VARIANTS = ["", "-relu_aux", "+drelu", "+bgradb", "-relu", "-all"]
+GELU_VARIANTS = ["", "-gelu_aux", "+dgelu_only", "+dgelu", "+bgradb", "-bias", "-all", "one_stream"]
+DENSE_VARIANTS = ["", "-bias", "+bgradb", "-all", "one_stream"]
+MLP_VARIANTS = ["", "-relu_aux", "+drelu", "+bgradb", "-relu", "-all", "one_stream"]
 
 
 def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -34,15 +39,18 @@ def step(module: nn.Module, x: torch.Tensor, dy: torch.Tensor):
 
 
 def settings(variant: str) -> dict[str, str | None]:
-    """The environment of a variant: "" the defaults, "-a,b" those switched off, "+a,b" switched on."""
+    """The environment of a variant: "" the defaults, "-a,b" those switched off, "+a,b" switched on,
+    "one_stream" the side stream off."""
     return {
         "APEX_CUBLASLT_DISABLE": variant[1:] if variant.startswith("-") else None,
         "APEX_CUBLASLT_ENABLE": variant[1:] if variant.startswith("+") else None,
+        "APEX_SIDE_STREAM": "0" if variant == "one_stream" else None,
     }
 
 
-def compare(label: str, ours, eager, variants: list[str], samples: int) -> None:
-    """Prints eager's time and each variant's, sampled in turns."""
+def compare(label: str, ours, eager, variants: list[str], samples: int, only: list[str] | None) -> None:
+    """Prints eager's time and each variant's (those of ``only``, if given), sampled in turns."""
+    variants = [v for v in variants if only is None or (v or "default") in only]
     ms = compare_ms(
         {"eager": [eager], **{v: [ours] for v in variants}},
         samples,
@@ -75,11 +83,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--kernels", action="store_true")
+    parser.add_argument(
+        "--shapes", help=f"tokens x hidden, comma-separated (default: {','.join(f'{t}x{h}' for t, h in SHAPES)})"
+    )
+    parser.add_argument("--variants", help="comma-separated; 'default' for the defaults (default: all)")
     args = parser.parse_args()
     if not require_cuda("profile_epilogues"):
         return 1
-    s = args.samples
-    for tokens, hidden in SHAPES:
+    s, only = args.samples, args.variants.split(",") if args.variants else None
+    shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes.split(",")] if args.shapes else SHAPES
+    for tokens, hidden in shapes:
         torch.manual_seed(0)
         x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, requires_grad=True)
         ours = FusedDenseGeluDense(hidden, 4 * hidden, hidden).to("cuda", DTYPE)
@@ -87,8 +100,8 @@ def main() -> int:
         eager = eager.to("cuda", DTYPE)
         dy = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE)
         label = f"FusedDenseGeluDense {tokens}x{hidden}x{4 * hidden}"
-        compare(label, step(ours, x, dy), step(eager, x, dy), GELU_VARIANTS, s)
-        if args.kernels and (tokens, hidden) == SHAPES[0]:
+        compare(label, step(ours, x, dy), step(eager, x, dy), GELU_VARIANTS, s, only)
+        if args.kernels and (tokens, hidden) == shapes[0]:
             kernels(step(ours, x, dy), "FusedDenseGeluDense")
             kernels(step(ours, x, dy), "FusedDenseGeluDense", "+dgelu_only")
             kernels(step(ours, x, dy), "FusedDenseGeluDense", "-all")
@@ -97,8 +110,10 @@ def main() -> int:
         ours = FusedDense(hidden, 4 * hidden).to("cuda", DTYPE)
         eager = nn.Linear(hidden, 4 * hidden).to("cuda", DTYPE)
         dy = torch.randn(tokens, 4 * hidden, device="cuda", dtype=DTYPE)
-        compare(f"FusedDense {tokens}x{hidden}x{4 * hidden}", step(ours, x, dy), step(eager, x, dy), DENSE_VARIANTS, s)
-        if args.kernels and (tokens, hidden) == SHAPES[0]:
+        compare(
+            f"FusedDense {tokens}x{hidden}x{4 * hidden}", step(ours, x, dy), step(eager, x, dy), DENSE_VARIANTS, s, only
+        )
+        if args.kernels and (tokens, hidden) == shapes[0]:
             kernels(step(ours, x, dy), "FusedDense")
             kernels(step(ours, x, dy), "FusedDense", "+bgradb")
             kernels(step(ours, x, dy), "FusedDense", "-bias")
@@ -118,7 +133,7 @@ def main() -> int:
     eager = nn.Sequential(*layers).to("cuda", DTYPE)
     x = torch.randn(batch, sizes[0], device="cuda", dtype=DTYPE, requires_grad=True)
     dy = torch.randn(batch, sizes[-1], device="cuda", dtype=DTYPE)
-    compare(f"MLP {batch} {'-'.join(map(str, sizes))}", step(ours, x, dy), step(eager, x, dy), MLP_VARIANTS, s)
+    compare(f"MLP {batch} {'-'.join(map(str, sizes))}", step(ours, x, dy), step(eager, x, dy), MLP_VARIANTS, s, only)
     if args.kernels:
         kernels(step(ours, x, dy), "MLP")
         kernels(step(eager, x, dy), "eager MLP")
