@@ -516,7 +516,7 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch, modul
     # The backward's weight gradients run on a second stream (apex-core's apex/side_stream.h);
     # APEX_SIDE_STREAM=0 queues the same GEMMs on the caller's stream. Both on a caller's own stream,
     # with that stream's allocations right after the call reusing what the op freed: bitwise the
-    # same gradients, and float64's.
+    # same gradients, and float64's; so are those with the GEMMs planned for half the device each.
     if module == "FusedDense":
         x, w, b = params((2048, 256, 0, 512), torch.bfloat16, "cuda")
         inputs = [x, w, b]
@@ -533,8 +533,9 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch, modul
         assert torch.equal(on, off)
     inputs64 = float64_copies(*inputs)
     expected = grads(reference(*inputs64), inputs64, dy.double())
-    for g, e in zip(results["1"], expected):
-        assert_close_to_float64(g, e, torch.bfloat16)
+    for setting in ("1", "split"):
+        for g, e in zip(results[setting], expected):
+            assert_close_to_float64(g, e, torch.bfloat16)
 
 
 @pytest.mark.multigpu

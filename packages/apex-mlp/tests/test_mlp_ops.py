@@ -418,7 +418,8 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch):
     # The backward's weight gradients run on a second stream (apex-core's apex/side_stream.h);
     # APEX_SIDE_STREAM=0 queues the same GEMMs on the caller's stream. Both on a caller's own stream,
     # with that stream's allocations right after the call reusing what the op freed (its per-layer
-    # temporaries): bitwise the same gradients, and the float64 reference's.
+    # temporaries): bitwise the same gradients, and the float64 reference's; so are those with the
+    # GEMMs planned for half the device each (APEX_SIDE_STREAM_SPLIT).
     tensors, layers = make_layers(4096, [256, 512, 512, 256], torch.bfloat16, "cuda")
     x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
     outputs = _ops.mlp_forward(x, weights, biases, 1)[:layers]
@@ -429,5 +430,6 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch):
     for on, off in zip(results["1"], results["0"]):
         assert torch.equal(on, off)
     expected = float64_backward(x, weights, outputs, grad_output, 1)
-    for got, want in zip(results["1"], expected):
-        assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)
+    for setting in ("1", "split"):
+        for got, want in zip(results[setting], expected):
+            assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)

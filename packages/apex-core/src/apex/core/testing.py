@@ -16,8 +16,9 @@ Worker functions live in the test file itself: test modules are imported under n
 child process cannot import, so the child loads the file by path instead. With ``backend
 ="nccl"`` rank r uses ``cuda:r``.
 
-``with_and_without_side_stream(monkeypatch, compute)`` runs a CUDA op's test under both settings of
-``APEX_SIDE_STREAM``, for the ops whose backward uses apex/side_stream.h.
+``with_and_without_side_stream(monkeypatch, compute)`` runs a CUDA op's test with and without the
+side stream (``APEX_SIDE_STREAM``) and with its multiprocessor split (``APEX_SIDE_STREAM_SPLIT``), for
+the ops whose backward uses apex/side_stream.h.
 
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
@@ -58,14 +59,20 @@ def graph_reaches(node, name: str, depth: int = 8) -> bool:
 
 
 def with_and_without_side_stream(monkeypatch, compute) -> dict[str, list[torch.Tensor]]:
-    """``compute()`` (returning tensors) with ``APEX_SIDE_STREAM=1`` and then ``0`` (apex-core's
-    apex/side_stream.h), each time on a fresh caller stream whose allocations right after the call reuse
+    """``compute()`` (returning tensors) with ``APEX_SIDE_STREAM=1``, then ``0`` (apex-core's
+    apex/side_stream.h), then 1 with ``APEX_SIDE_STREAM_SPLIT=0.5`` (the GEMMs planned for half the
+    multiprocessors each), each time on a fresh caller stream whose allocations right after the call reuse
     what the op freed (its temporaries must not be handed out while the side stream still reads them):
-    ``{"1": clones, "0": clones}``, for tests that the two settings agree bitwise."""
+    ``{"1": clones, "0": clones, "split": clones}``, for tests that the first two agree bitwise (the
+    split may pick other GEMM algorithms: compare it with a reference)."""
     caller = torch.cuda.Stream()
     results = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv("APEX_SIDE_STREAM", setting)
+    for setting in ("1", "0", "split"):
+        monkeypatch.setenv("APEX_SIDE_STREAM", "0" if setting == "0" else "1")
+        if setting == "split":
+            monkeypatch.setenv("APEX_SIDE_STREAM_SPLIT", "0.5")
+        else:
+            monkeypatch.delenv("APEX_SIDE_STREAM_SPLIT", raising=False)
         caller.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(caller):
             got = list(compute())
