@@ -79,10 +79,19 @@ def _compare(rank, world, name, exchanger, config, seed, dtype):
         dist.all_reduce(gw)  # every rank's share of the weight gradients
     tol = dict(rtol=2e-5, atol=2e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     what = f"{name} {config} {dtype}"
-    torch.testing.assert_close(y_mine, y_full.narrow(h_dim, rank * out_rows, out_rows), **tol, msg=what)
-    torch.testing.assert_close(grads_mine[0], grads_full[0].narrow(h_dim, rank * rows, rows), **tol, msg=what)
+
+    def msg(text: str) -> str:  # what was compared, then assert_close's account of the difference
+        return f"{what}: {text}"
+
+    torch.testing.assert_close(y_mine, y_full.narrow(h_dim, rank * out_rows, out_rows), **tol, msg=msg)
+    torch.testing.assert_close(grads_mine[0], grads_full[0].narrow(h_dim, rank * rows, rows), **tol, msg=msg)
     for got, want in zip(grads_mine[1:], grads_full[1:]):
-        torch.testing.assert_close(got, want, **tol, msg=what)
+        # A weight gradient is a sum over the batch and every position, all-reduced here from the ranks'
+        # rounded partial sums: its error follows the size of the terms, not of the (possibly cancelling)
+        # result. In bf16 the absolute tolerance scales with the gradient's largest element (two bf16
+        # roundings of it; a CPU's bf16 convolution left 0.078 on 25.0, and 14% on a small element).
+        weight_tol = tol if dtype == torch.float32 else dict(rtol=2e-2, atol=2**-7 * want.abs().max().item())
+        torch.testing.assert_close(got, want, **weight_tol, msg=msg)
     return 1
 
 

@@ -139,8 +139,8 @@ inline bool epilogue_enabled(cublasLtEpilogue_t epilogue) {
 // The heuristic's algorithm for a problem, remembered per process: cublasLtMatmulAlgoGetHeuristic
 // costs host time on every call (tens of microseconds), more than a small GEMM takes on the GPU.
 // The key is everything the answer depends on (operations, sizes, leading dimensions, types,
-// epilogue, alignments, workspace, device, SM count target); the caller fills it. A problem cuBLASLt has no
-// algorithm for is remembered too (found = false), so its fallback does not ask again.
+// epilogue, alignments, workspace, device, SM count target); the caller fills it. A problem cuBLASLt
+// has no algorithm for is remembered too (found = false), so its fallback does not ask again.
 using AlgoKey = std::array<int64_t, 20>;
 
 struct AlgoKeyHash {
