@@ -51,12 +51,14 @@ MANY_ROWS = [((8192, 1024), 1), ((1536, 8192), 1), ((4099, 768), 1), ((4099, 512
 ODD_ROWS = [pytest.param("cuda", (1537, 8192), 1, id="cuda-1537x8192-n1", marks=pytest.mark.gpu)]
 
 
-def cases(shapes):
-    """(where, shape, ndim) cases: every shape on the CPU and, marked gpu, on CUDA."""
+def cases(shapes, cpu=None):
+    """(where, shape, ndim) cases: every shape (or only those of ``cpu``) on the CPU and, marked gpu,
+    every shape on CUDA."""
     cases = []
     for shape, ndim in shapes:
         label = "x".join(map(str, shape)) + f"-n{ndim}"
-        cases.append(pytest.param("cpu", shape, ndim, id=f"cpu-{label}"))
+        if cpu is None or shape in cpu:
+            cases.append(pytest.param("cpu", shape, ndim, id=f"cpu-{label}"))
         cases.append(pytest.param("cuda", shape, ndim, id=f"cuda-{label}", marks=pytest.mark.gpu))
     return cases
 
@@ -219,7 +221,9 @@ MANY_ROWS_WEIGHTS = {"same": (None, False), "fp32": (torch.float32, False), "fp3
 @pytest.mark.parametrize("weights", list(MANY_ROWS_WEIGHTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize(("where", "shape", "ndim"), cases(MANY_ROWS) + ODD_ROWS)
+# The CPU reference's sums over many rows need one of these shapes (the smallest, odd rows): the
+# others exist for the kernels' tiling and cost the CPU suite two minutes for nothing more.
+@pytest.mark.parametrize(("where", "shape", "ndim"), cases(MANY_ROWS, cpu=[(4099, 768)]) + ODD_ROWS)
 def test_many_rows(where, shape, ndim, dtype, rms, weights, memory_efficient):
     weight_dtype, mixed = MANY_ROWS_WEIGHTS[weights]
     if weight_dtype is not None and dtype == torch.float32:
