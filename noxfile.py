@@ -225,7 +225,7 @@ def wheels(session: nox.Session) -> None:
         wheel = ["python", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(WHEELHOUSE)]
         session.run(*wheel, *map(str, batch), env={"APEX_BUILD_OPS": "0"})
         if batch[0] == CORE:  # the other packages' setup.py imports apex.core.build
-            session.install("--no-deps", "--no-index", str(_wheel(WHEELHOUSE, CORE)))
+            session.install("--no-deps", "--no-index", "--force-reinstall", str(_wheel(WHEELHOUSE, CORE)))
     versions = {wheel.name: _check_wheel(session, wheel) for wheel in sorted(WHEELHOUSE.glob("*.whl"))}
     if len(set(versions.values())) != 1:
         session.error(f"wheel versions are not in lockstep: {versions}")

@@ -221,7 +221,7 @@ MANY_ROWS_WEIGHTS = {"same": (None, False), "fp32": (torch.float32, False), "fp3
 @pytest.mark.parametrize("weights", list(MANY_ROWS_WEIGHTS))
 @pytest.mark.parametrize("rms", [False, True], ids=["layer", "rms"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-# The CPU reference's sums over many rows need one of these shapes (the smallest, odd rows): the
+# The CPU reference's sums over many rows need one of these shapes (an odd row count): the
 # others exist for the kernels' tiling and cost the CPU suite two minutes for nothing more.
 @pytest.mark.parametrize(("where", "shape", "ndim"), cases(MANY_ROWS, cpu=[(4099, 768)]) + ODD_ROWS)
 def test_many_rows(where, shape, ndim, dtype, rms, weights, memory_efficient):
