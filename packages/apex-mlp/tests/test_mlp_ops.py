@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
 from apex.core import loader
-from apex.core.testing import with_and_without_side_stream
+from apex.core.testing import assert_first_use_in_graph_capture, with_and_without_side_stream
 from apex.mlp import _ops
 from apex.mlp._plugin import KERNELS
 
@@ -378,39 +375,9 @@ def test_second_gpu():
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_is_the_side_streams_first_use():
-    # A fresh process whose first MLP backward (the side stream's first use, apex/side_stream.h) is
-    # inside a CUDA graph capture: nothing is created there (that call runs inline), the capture
-    # succeeds and the replay gives the eager result. A plain torch GEMM's forward and backward before
-    # the capture create the cuBLAS handles of this thread and of autograd's device thread, as PyTorch
-    # requires (cublasCreate fails inside a capture).
-    code = textwrap.dedent(
-        """
-        import torch
-        from apex.mlp import MLP
-        torch.manual_seed(0)
-        warm = torch.randn(8, 8, device="cuda", requires_grad=True)
-        (warm @ warm).sum().backward()
-        torch.cuda.synchronize()
-        mlp = MLP([64, 96, 48]).cuda()
-        x = torch.randn(40, 64, device="cuda", requires_grad=True)
-        dy = torch.randn(40, 48, device="cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = mlp(x)
-            grads = torch.autograd.grad(out, [x, *mlp.parameters()], dy)
-        graph.replay()
-        torch.cuda.synchronize()
-        x2 = x.detach().clone().requires_grad_()
-        eager = mlp(x2)
-        eager_grads = torch.autograd.grad(eager, [x2, *mlp.parameters()], dy)
-        torch.testing.assert_close(out, eager)
-        for g, e in zip(grads, eager_grads):
-            torch.testing.assert_close(g, e)
-        print("OK")
-        """
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+    # A fresh process whose first MLP forward and backward (the side stream's first use) are inside a
+    # CUDA graph capture: it captures, and the replay gives the eager result.
+    assert_first_use_in_graph_capture("from apex.mlp import MLP", "MLP([64, 96, 48])", 64, 48)
 
 
 @pytest.mark.gpu
@@ -418,8 +385,7 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch):
     # The backward's weight gradients run on a second stream (apex-core's apex/side_stream.h);
     # APEX_SIDE_STREAM=0 queues the same GEMMs on the caller's stream. Both on a caller's own stream,
     # with that stream's allocations right after the call reusing what the op freed (its per-layer
-    # temporaries): bitwise the same gradients, and the float64 reference's; so are those with the
-    # GEMMs planned for half the device each (APEX_SIDE_STREAM_SPLIT).
+    # temporaries): bitwise the same gradients, and the float64 reference's.
     tensors, layers = make_layers(4096, [256, 512, 512, 256], torch.bfloat16, "cuda")
     x, weights, biases = tensors[0], tensors[1 : 1 + layers], tensors[1 + layers :]
     outputs = _ops.mlp_forward(x, weights, biases, 1)[:layers]
@@ -430,6 +396,5 @@ def test_weight_gradients_on_the_side_stream_match_one_stream(monkeypatch):
     for on, off in zip(results["1"], results["0"]):
         assert torch.equal(on, off)
     expected = float64_backward(x, weights, outputs, grad_output, 1)
-    for setting in ("1", "split"):
-        for got, want in zip(results[setting], expected):
-            assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)
+    for got, want in zip(results["1"], expected):
+        assert relative_error(got, want) <= 2 * tolerance(torch.bfloat16, layers)

@@ -16,9 +16,12 @@ Worker functions live in the test file itself: test modules are imported under n
 child process cannot import, so the child loads the file by path instead. With ``backend
 ="nccl"`` rank r uses ``cuda:r``.
 
-``with_and_without_side_stream(monkeypatch, compute)`` runs a CUDA op's test with and without the
-side stream (``APEX_SIDE_STREAM``) and with its multiprocessor split (``APEX_SIDE_STREAM_SPLIT``), for
-the ops whose backward uses apex/side_stream.h.
+``with_and_without_side_stream(monkeypatch, compute)`` runs a CUDA op's test under both settings of
+``APEX_SIDE_STREAM``, for the ops whose backward uses apex/side_stream.h.
+
+``assert_first_use_in_graph_capture(imports, layers, ...)`` checks, in a fresh Python process, that
+CUDA modules whose ops are first used inside a CUDA graph capture (heuristic caches, the side
+stream) capture, and that the replay gives the eager result.
 
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
@@ -32,6 +35,7 @@ import os
 import pickle
 import queue as queue_module
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,20 +63,14 @@ def graph_reaches(node, name: str, depth: int = 8) -> bool:
 
 
 def with_and_without_side_stream(monkeypatch, compute) -> dict[str, list[torch.Tensor]]:
-    """``compute()`` (returning tensors) with ``APEX_SIDE_STREAM=1``, then ``0`` (apex-core's
-    apex/side_stream.h), then 1 with ``APEX_SIDE_STREAM_SPLIT=0.5`` (the GEMMs planned for half the
-    multiprocessors each), each time on a fresh caller stream whose allocations right after the call reuse
+    """``compute()`` (returning tensors) with ``APEX_SIDE_STREAM=1`` and then ``0`` (apex-core's
+    apex/side_stream.h), each time on a fresh caller stream whose allocations right after the call reuse
     what the op freed (its temporaries must not be handed out while the side stream still reads them):
-    ``{"1": clones, "0": clones, "split": clones}``, for tests that the first two agree bitwise (the
-    split may pick other GEMM algorithms: compare it with a reference)."""
+    ``{"1": clones, "0": clones}``, for tests that the two settings agree bitwise."""
     caller = torch.cuda.Stream()
     results = {}
-    for setting in ("1", "0", "split"):
-        monkeypatch.setenv("APEX_SIDE_STREAM", "0" if setting == "0" else "1")
-        if setting == "split":
-            monkeypatch.setenv("APEX_SIDE_STREAM_SPLIT", "0.5")
-        else:
-            monkeypatch.delenv("APEX_SIDE_STREAM_SPLIT", raising=False)
+    for setting in ("1", "0"):
+        monkeypatch.setenv("APEX_SIDE_STREAM", setting)
         caller.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(caller):
             got = list(compute())
@@ -81,6 +79,53 @@ def with_and_without_side_stream(monkeypatch, compute) -> dict[str, list[torch.T
         results[setting] = [t.clone() for t in got]
         del scribbles
     return results
+
+
+_CAPTURE_CHILD = """
+import torch
+{imports}
+torch.manual_seed(0)
+warm = torch.randn(8, 8, device="cuda", requires_grad=True)
+(warm @ warm).sum().backward()
+torch.cuda.synchronize()
+for layer in [{layers}]:
+    layer = layer.cuda()
+    x = torch.randn({rows}, {in_features}, device="cuda", requires_grad=True)
+    dy = torch.randn({rows}, {out_features}, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+        grads = torch.autograd.grad(out, [x, *layer.parameters()], dy)
+    graph.replay()
+    torch.cuda.synchronize()
+    x2 = x.detach().clone().requires_grad_()
+    eager = layer(x2)
+    eager_grads = torch.autograd.grad(eager, [x2, *layer.parameters()], dy)
+    torch.testing.assert_close(out, eager)
+    for g, e in zip(grads, eager_grads):
+        torch.testing.assert_close(g, e)
+print("OK")
+"""
+
+
+def assert_first_use_in_graph_capture(
+    imports: str, layers: str, in_features: int, out_features: int, rows: int = 40, timeout: float = 300
+) -> None:
+    """In a fresh Python process (in this one an earlier test may have met the shapes and made the side
+    stream): each module of ``layers`` (the source of a comma-separated list of modules mapping
+    ``in_features`` to ``out_features``, after ``imports``) runs its forward and its gradients (the
+    input's and every parameter's) first inside a CUDA graph capture, so the shapes' cuBLASLt
+    heuristic is asked there and so is apex/side_stream.h's side stream (not created inside a capture:
+    that call runs its side work inline). The capture must succeed and the replay give the eager
+    result of the same module afterwards (which takes the side stream). Before the capture, a plain
+    torch GEMM's forward and backward create the cuBLAS handles of this thread and of autograd's
+    device thread, as PyTorch requires of any capture with a GEMM (cublasCreate fails inside one:
+    CUBLAS_STATUS_NOT_INITIALIZED, torch.mm's as well as ours)."""
+    code = _CAPTURE_CHILD.format(
+        imports=imports, layers=layers, rows=rows, in_features=in_features, out_features=out_features
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
 
 
 def _load(path: str):

@@ -193,14 +193,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   // unless the GEMMs are large enough that two at once contend.
   apex::SideStream side(apex::side_stream_pays(double(input.size(0)) * input.size(1) * weight.size(0)));
   apex::lt::Runner lt_side(input);
-  lt_side.set_sm_count_target(side.side_sms());
   at::Tensor d_weight = at::empty_like(weight);
   at::Tensor d_bias = at::empty({bias_grad ? weight.size(0) : 0}, weight.options());
   side.run({input, grad_output, d_weight, d_bias}, [&] {
     weight_grad(lt_side, input, grad_output, d_weight, bias_grad ? &d_bias : nullptr, 0.0f);
   });
   apex::lt::Runner lt(input);
-  lt.set_sm_count_target(side.main_sms());
   at::Tensor d_input = input_grad(lt, grad_output, weight);
   side.join();
   return {d_input, d_weight, d_bias};
@@ -273,8 +271,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   // beside the input's.
   apex::SideStream side(apex::side_stream_pays(double(m) * h * std::max(input.size(1), n)));
   apex::lt::Runner lt_side(input);
-  lt_side.set_sm_count_target(side.side_sms());
-  lt.set_sm_count_target(side.main_sms());
 
   at::Tensor d_weight2 = at::empty_like(weight2);
   at::Tensor d_bias2 = at::empty({n}, weight2.options());

@@ -307,8 +307,6 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
   for (const at::Tensor& w : weights) largest_macs = std::max(largest_macs, double(batch) * w.size(0) * w.size(1));
   apex::SideStream side(apex::side_stream_pays(largest_macs));
   apex::lt::Runner lt_side(input, kAlignment);
-  lt_side.set_sm_count_target(side.side_sms());
-  lt.set_sm_count_target(side.main_sms());
   std::vector<at::Tensor> grad_weights(layers);
   std::vector<at::Tensor> grad_biases(layers);
   at::Tensor grad = grad_output;

@@ -139,8 +139,8 @@ inline bool epilogue_enabled(cublasLtEpilogue_t epilogue) {
 // The heuristic's algorithm for a problem, remembered per process: cublasLtMatmulAlgoGetHeuristic
 // costs host time on every call (tens of microseconds), more than a small GEMM takes on the GPU.
 // The key is everything the answer depends on (operations, sizes, leading dimensions, types,
-// epilogue, alignments, workspace, device, SM count target); the caller fills it. A problem cuBLASLt
-// has no algorithm for is remembered too (found = false), so its fallback does not ask again.
+// epilogue, alignments, workspace, device); the caller fills it. A problem cuBLASLt has no
+// algorithm for is remembered too (found = false), so its fallback does not ask again.
 using AlgoKey = std::array<int64_t, 20>;
 
 struct AlgoKeyHash {
@@ -284,10 +284,6 @@ class Runner {
   explicit Runner(const at::Tensor& like, uint32_t required_alignment = 0)
       : dtype_(like.scalar_type()), device_(like.device()), required_alignment_(required_alignment) {}
 
-  // Plan the following GEMMs for `count` multiprocessors (cuBLASLt's SM_COUNT_TARGET: another stream
-  // is expected to use the rest); 0, the default, plans for the whole device.
-  void set_sm_count_target(int count) { sm_count_target_ = count > 0 ? count : 0; }
-
   bool run(const Gemm& g) {
     constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
     if (g.m <= 0 || g.n <= 0 || g.k <= 0) return false;
@@ -328,9 +324,6 @@ class Runner {
     bool ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSA, op_a) &&
               detail::set(desc.get(), CUBLASLT_MATMUL_DESC_TRANSB, op_b) &&
               detail::set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE, g.epilogue);
-    if (ok && sm_count_target_ > 0) {
-      ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, static_cast<int32_t>(sm_count_target_));
-    }
     if (ok && g.bias != nullptr) ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER, g.bias);
     if (ok && g.aux != nullptr) {
       ok = detail::set(desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, g.aux) &&
@@ -361,7 +354,7 @@ class Runner {
     const AlgoKey key = {g.transpose_a, g.transpose_b, g.m,       g.n,       g.k,
                          g.lda,         g.ldb,         g.ldd,     g.epilogue, ab_type,
                          d_type,        compute,       align_a,   align_b,   align_d,
-                         g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), sm_count_target_};
+                         g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), 0};
     cublasLtMatmulAlgo_t algo = {};
     const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
       cublasLtMatmulHeuristicResult_t heuristic = {};
@@ -389,7 +382,6 @@ class Runner {
   c10::ScalarType dtype_;
   c10::Device device_;
   uint32_t required_alignment_;
-  int sm_count_target_ = 0;
   at::Tensor workspace_;
 };
 

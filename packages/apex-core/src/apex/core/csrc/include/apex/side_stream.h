@@ -26,23 +26,15 @@
 //
 // APEX_SIDE_STREAM=0 in the environment (read when a SideStream is made) runs the side work inline
 // on the main stream instead: the same kernels in one stream (benchmarks compare the two).
-//
-// APEX_SIDE_STREAM_SPLIT=f (0 < f < 1; an experiment, unset by default) shares the multiprocessors
-// between the two streams' GEMMs: callers plan their side-stream runner's GEMMs for side_sms() of
-// them and their main runner's for main_sms() (apex::lt::Runner::set_sm_count_target), so that two
-// GEMMs at once each get a grid for their share instead of two grids for the whole device queueing
-// behind each other. Both are 0 (the whole device) without the variable or with the side stream off.
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -91,26 +83,11 @@ inline bool side_stream_pays(double macs) {
   return macs <= kSideStreamMaxGemmMacs;
 }
 
-// APEX_SIDE_STREAM_SPLIT's share of the multiprocessors for the side stream; 0 when unset or not in (0, 1).
-inline double side_stream_split() {
-  const char* text = std::getenv("APEX_SIDE_STREAM_SPLIT");
-  if (text == nullptr) return 0.0;
-  const double share = std::strtod(text, nullptr);
-  return share > 0.0 && share < 1.0 ? share : 0.0;
-}
-
 class SideStream {
  public:
   // use=false (a caller's size rule, side_stream_pays) runs the side work inline, as APEX_SIDE_STREAM=0.
   explicit SideStream(bool use = true)
-      : main_(c10::cuda::getCurrentCUDAStream()), enabled_(use && side_stream_enabled()) {
-    const double share = enabled_ ? side_stream_split() : 0.0;
-    if (share > 0.0) {
-      const int sms = at::cuda::getDeviceProperties(main_.device_index())->multiProcessorCount;
-      side_sms_ = std::max(1, std::min(sms - 1, static_cast<int>(share * sms + 0.5)));
-      main_sms_ = sms - side_sms_;
-    }
-  }
+      : main_(c10::cuda::getCurrentCUDAStream()), enabled_(use && side_stream_enabled()) {}
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   ~SideStream() {
@@ -147,10 +124,6 @@ class SideStream {
     pending_ = true;
   }
 
-  // The multiprocessors to plan each stream's GEMMs for (APEX_SIDE_STREAM_SPLIT); 0: the whole device.
-  int side_sms() const { return side_sms_; }
-  int main_sms() const { return main_sms_; }
-
   // The main stream waits for all side work queued so far.
   void join() {
     if (!pending_) return;
@@ -165,8 +138,6 @@ class SideStream {
   bool enabled_;
   std::optional<c10::cuda::CUDAStream> side_;
   bool pending_ = false;
-  int side_sms_ = 0;
-  int main_sms_ = 0;
 };
 
 }  // namespace
