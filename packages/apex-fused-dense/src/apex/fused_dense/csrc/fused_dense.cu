@@ -93,12 +93,7 @@ at::Tensor dense_forward(apex::lt::Runner& lt, const at::Tensor& x, const at::Te
                          const std::optional<at::Tensor>& bias) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
-  apex::lt::Gemm g;
-  g.transpose_a = true;
-  g.m = n, g.n = m, g.k = k;
-  g.a = w.const_data_ptr(), g.lda = k;
-  g.b = x.const_data_ptr(), g.ldb = k;
-  g.d = out.data_ptr(), g.ldd = n;
+  apex::lt::Gemm g = apex::lt::linear_forward(x.const_data_ptr(), w.const_data_ptr(), out.data_ptr(), m, k, n);
   if (bias) {
     g.epilogue = CUBLASLT_EPILOGUE_BIAS;
     g.bias = bias->const_data_ptr();
@@ -111,11 +106,8 @@ at::Tensor dense_forward(apex::lt::Runner& lt, const at::Tensor& x, const at::Te
 at::Tensor input_grad(apex::lt::Runner& lt, const at::Tensor& d_out, const at::Tensor& w) {
   const int64_t m = d_out.size(0), n = d_out.size(1), k = w.size(1);
   at::Tensor d_x = at::empty({m, k}, d_out.options());
-  apex::lt::Gemm g;
-  g.m = k, g.n = m, g.k = n;
-  g.a = w.const_data_ptr(), g.lda = k;
-  g.b = d_out.const_data_ptr(), g.ldb = n;
-  g.d = d_x.data_ptr(), g.ldd = k;
+  const apex::lt::Gemm g =
+      apex::lt::linear_input_grad(d_out.const_data_ptr(), w.const_data_ptr(), d_x.data_ptr(), m, k, n);
   if (lt.run(g)) return d_x;
   return at::mm(d_out, w);
 }
@@ -126,12 +118,7 @@ at::Tensor input_grad(apex::lt::Runner& lt, const at::Tensor& d_out, const at::T
 void weight_grad(apex::lt::Runner& lt, const at::Tensor& x, const at::Tensor& d_out, at::Tensor& d_w,
                  at::Tensor* d_bias, float beta) {
   const int64_t m = x.size(0), k = x.size(1), n = d_out.size(1);
-  apex::lt::Gemm g;
-  g.transpose_b = true;
-  g.m = k, g.n = n, g.k = m;
-  g.a = x.const_data_ptr(), g.lda = k;
-  g.b = d_out.const_data_ptr(), g.ldb = n;
-  g.d = d_w.data_ptr(), g.ldd = k;
+  apex::lt::Gemm g = apex::lt::linear_weight_grad(x.const_data_ptr(), d_out.const_data_ptr(), d_w.data_ptr(), m, k, n);
   g.d_dtype = d_w.scalar_type();
   g.beta = beta;
   if (d_bias != nullptr) {
@@ -225,12 +212,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_linear_forward_cuda(c
   const int64_t m = input.size(0), k = input.size(1), h = weight1.size(0);
   at::Tensor output1 = at::empty({m, h}, input.options());
   at::Tensor gelu_in = at::empty({m, h}, input.options());
-  apex::lt::Gemm g;
-  g.transpose_a = true;
-  g.m = h, g.n = m, g.k = k;
-  g.a = weight1.const_data_ptr(), g.lda = k;
-  g.b = input.const_data_ptr(), g.ldb = k;
-  g.d = output1.data_ptr(), g.ldd = h;
+  apex::lt::Gemm g =
+      apex::lt::linear_forward(input.const_data_ptr(), weight1.const_data_ptr(), output1.data_ptr(), m, k, h);
   g.epilogue = CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
   g.bias = bias1.const_data_ptr();
   g.aux = gelu_in.data_ptr();
@@ -287,11 +270,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   // gradient where bias is given).
   auto dgelu_gemm = [&](cublasLtEpilogue_t epilogue, void* bias) {
     d_gelu_in = at::empty({m, h}, input.options());
-    apex::lt::Gemm g;
-    g.m = h, g.n = m, g.k = n;
-    g.a = weight2.const_data_ptr(), g.lda = h;
-    g.b = grad_output.const_data_ptr(), g.ldb = n;
-    g.d = d_gelu_in.data_ptr(), g.ldd = h;
+    apex::lt::Gemm g = apex::lt::linear_input_grad(grad_output.const_data_ptr(), weight2.const_data_ptr(),
+                                                   d_gelu_in.data_ptr(), m, h, n);
     g.epilogue = epilogue;
     g.bias = bias;
     g.aux = const_cast<void*>(gelu_in.const_data_ptr());  // read only by DGELU

@@ -232,12 +232,8 @@ std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList
     const int64_t n_out = w.size(0);
     at::Tensor out = at::empty({batch, n_out}, input.options());
     at::Tensor mask;
-    apex::lt::Gemm gemm;
-    gemm.transpose_a = true;
-    gemm.m = n_out, gemm.n = batch, gemm.k = n_in;
-    gemm.a = w.const_data_ptr(), gemm.lda = n_in;
-    gemm.b = y.const_data_ptr(), gemm.ldb = n_in;
-    gemm.d = out.mutable_data_ptr(), gemm.ldd = n_out;
+    apex::lt::Gemm gemm =
+        apex::lt::linear_forward(y.const_data_ptr(), w.const_data_ptr(), out.mutable_data_ptr(), batch, n_in, n_out);
     gemm.epilogue = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     if (activation == kRelu) gemm.epilogue = bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
     if (bias) gemm.bias = biases[i].const_data_ptr();
@@ -328,14 +324,10 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
     const at::Tensor dz =
         grad_is_dz ? grad : activation_backward(grad, outputs[i], activation, db_in_gemm ? at::Tensor() : db);
 
-    // dW (n_out x n_in, row-major) = dz^T y_in; column-major D (n_in x n_out) = y_in^T-as-stored * dz^T.
+    // dW (n_out x n_in) = dz^T y_in.
     at::Tensor dw = at::empty_like(w);
-    apex::lt::Gemm wgrad;
-    wgrad.transpose_b = true;
-    wgrad.m = n_in, wgrad.n = n_out, wgrad.k = batch;
-    wgrad.a = y_in.const_data_ptr(), wgrad.lda = n_in;
-    wgrad.b = dz.const_data_ptr(), wgrad.ldb = n_out;
-    wgrad.d = dw.mutable_data_ptr(), wgrad.ldd = n_in;
+    apex::lt::Gemm wgrad = apex::lt::linear_weight_grad(y_in.const_data_ptr(), dz.const_data_ptr(),
+                                                        dw.mutable_data_ptr(), batch, n_in, n_out);
     if (db_in_gemm) {
       wgrad.epilogue = CUBLASLT_EPILOGUE_BGRADB;
       wgrad.bias = db.mutable_data_ptr();
@@ -350,16 +342,13 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
     grad_biases[i] = db;
 
     if (i > 0 || input_grad) {
-      // dy_in (batch x n_in, row-major) = dz w; column-major D (n_in x batch) = w-as-stored * dz-as-stored.
+      // dy_in (batch x n_in) = dz w.
       // With the previous layer's relu mask, its derivative and bias gradient come in the epilogue.
       at::Tensor dy_in = at::empty({batch, n_in}, input.options());
       const bool drelu = i > 0 && !masks.empty();
       at::Tensor next_db = drelu && bias ? at::empty({n_in}, w.options()) : at::Tensor();
-      apex::lt::Gemm dgrad;
-      dgrad.m = n_in, dgrad.n = batch, dgrad.k = n_out;
-      dgrad.a = w.const_data_ptr(), dgrad.lda = n_in;
-      dgrad.b = dz.const_data_ptr(), dgrad.ldb = n_out;
-      dgrad.d = dy_in.mutable_data_ptr(), dgrad.ldd = n_in;
+      apex::lt::Gemm dgrad = apex::lt::linear_input_grad(dz.const_data_ptr(), w.const_data_ptr(),
+                                                         dy_in.mutable_data_ptr(), batch, n_in, n_out);
       if (drelu) {
         dgrad.epilogue = bias ? CUBLASLT_EPILOGUE_DRELU_BGRAD : CUBLASLT_EPILOGUE_DRELU;
         if (bias) dgrad.bias = next_db.mutable_data_ptr();

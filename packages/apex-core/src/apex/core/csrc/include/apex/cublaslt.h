@@ -205,6 +205,38 @@ struct Gemm {
   int64_t aux_ld = 0;
 };
 
+// The three GEMMs of a linear layer y[rows, out] = x[rows, in] @ w[out, in]^T, every operand row-major
+// and contiguous: the forward; the input gradient dx[rows, in] = dy[rows, out] @ w; the weight
+// gradient dw[out, in] = dy^T @ x. The caller adds the epilogue, beta and an accumulator's dtype.
+inline Gemm linear_forward(const void* x, const void* w, void* y, int64_t rows, int64_t in, int64_t out) {
+  Gemm g;
+  g.transpose_a = true;
+  g.m = out, g.n = rows, g.k = in;
+  g.a = w, g.lda = in;
+  g.b = x, g.ldb = in;
+  g.d = y, g.ldd = out;
+  return g;
+}
+
+inline Gemm linear_input_grad(const void* dy, const void* w, void* dx, int64_t rows, int64_t in, int64_t out) {
+  Gemm g;
+  g.m = in, g.n = rows, g.k = out;
+  g.a = w, g.lda = in;
+  g.b = dy, g.ldb = out;
+  g.d = dx, g.ldd = in;
+  return g;
+}
+
+inline Gemm linear_weight_grad(const void* x, const void* dy, void* dw, int64_t rows, int64_t in, int64_t out) {
+  Gemm g;
+  g.transpose_b = true;
+  g.m = in, g.n = out, g.k = rows;
+  g.a = x, g.lda = in;
+  g.b = dy, g.ldb = out;
+  g.d = dw, g.ldd = in;
+  return g;
+}
+
 // The largest power of two, up to 256, dividing the address (null: 256, an absent operand).
 inline uint32_t alignment(const void* p) {
   const auto address = reinterpret_cast<uintptr_t>(p);
