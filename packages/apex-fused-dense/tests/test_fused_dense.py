@@ -203,12 +203,16 @@ def test_epilogue_switches_keep_the_results(monkeypatch, variable, names):
 def test_cuda_graph_capture_is_the_side_streams_first_use():
     # A fresh process whose first forward and backward of each layer (the shapes' cuBLASLt heuristic,
     # the side stream) are inside a CUDA graph capture: it captures, and the replay gives the eager
-    # result.
+    # result. The input's gradient only, as this test always took: with the parameters' too (two
+    # layers, one after the other) the child passed its checks twice on an H100 and once died at exit
+    # ("terminate called without an active exception", after autograd's warning that the parameters'
+    # AccumulateGrad nodes, made on the capture's stream, no longer match); not yet looked into.
     assert_first_use_in_graph_capture(
         "from apex.fused_dense import FusedDense, FusedDenseGeluDense",
         "FusedDenseGeluDense(64, 192, 48), FusedDense(64, 48)",
         64,
         48,
+        parameter_grads=False,
     )
 
 

@@ -95,12 +95,12 @@ for layer in [{layers}]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = layer(x)
-        grads = torch.autograd.grad(out, [x, *layer.parameters()], dy)
+        grads = torch.autograd.grad(out, [x, *{wrt}], dy)
     graph.replay()
     torch.cuda.synchronize()
     x2 = x.detach().clone().requires_grad_()
     eager = layer(x2)
-    eager_grads = torch.autograd.grad(eager, [x2, *layer.parameters()], dy)
+    eager_grads = torch.autograd.grad(eager, [x2, *{wrt}], dy)
     torch.testing.assert_close(out, eager)
     for g, e in zip(grads, eager_grads):
         torch.testing.assert_close(g, e)
@@ -109,20 +109,31 @@ print("OK")
 
 
 def assert_first_use_in_graph_capture(
-    imports: str, layers: str, in_features: int, out_features: int, rows: int = 40, timeout: float = 300
+    imports: str,
+    layers: str,
+    in_features: int,
+    out_features: int,
+    rows: int = 40,
+    parameter_grads: bool = True,
+    timeout: float = 300,
 ) -> None:
     """In a fresh Python process (in this one an earlier test may have met the shapes and made the side
     stream): each module of ``layers`` (the source of a comma-separated list of modules mapping
     ``in_features`` to ``out_features``, after ``imports``) runs its forward and its gradients (the
-    input's and every parameter's) first inside a CUDA graph capture, so the shapes' cuBLASLt
-    heuristic is asked there and so is apex/side_stream.h's side stream (not created inside a capture:
-    that call runs its side work inline). The capture must succeed and the replay give the eager
-    result of the same module afterwards (which takes the side stream). Before the capture, a plain
-    torch GEMM's forward and backward create the cuBLAS handles of this thread and of autograd's
-    device thread, as PyTorch requires of any capture with a GEMM (cublasCreate fails inside one:
-    CUBLAS_STATUS_NOT_INITIALIZED, torch.mm's as well as ours)."""
+    input's, and every parameter's unless ``parameter_grads`` is False) first inside a CUDA graph
+    capture, so the shapes' cuBLASLt heuristic is asked there and so is apex/side_stream.h's side
+    stream (not created inside a capture: that call runs its side work inline). The capture must
+    succeed and the replay give the eager result of the same module afterwards (which takes the side
+    stream). Before the capture, a plain torch GEMM's forward and backward create the cuBLAS handles
+    of this thread and of autograd's device thread, as PyTorch requires of any capture with a GEMM
+    (cublasCreate fails inside one: CUBLAS_STATUS_NOT_INITIALIZED, torch.mm's as well as ours)."""
     code = _CAPTURE_CHILD.format(
-        imports=imports, layers=layers, rows=rows, in_features=in_features, out_features=out_features
+        imports=imports,
+        layers=layers,
+        rows=rows,
+        in_features=in_features,
+        out_features=out_features,
+        wrt="layer.parameters()" if parameter_grads else "()",
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
