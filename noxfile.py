@@ -110,8 +110,12 @@ def tests(session: nox.Session) -> None:
     install_packages(session, install_order())
     session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
     session.run(*pytest_args(session, [str(PACKAGES), str(ROOT / "benchmarks")]))  # benchmarks/: its tools' tests
-    # The end-to-end benchmark's tiny models through both stacks (every package at once, on the CPU).
-    session.run("python", str(ROOT / "benchmarks" / "bench_e2e.py"), "--smoke", "--stacks", "native-eager,apex-eager")
+    # The end-to-end benchmark's tiny models through both stacks (every package at once, on the CPU),
+    # with its profile and both traces.
+    traces = str(Path(session.create_tmp()) / "traces")
+    smoke = ["--smoke", "--stacks", "native-eager,apex-eager", "--profile", "5", "--trace", traces]
+    smoke += ["--trace-steps", "2"]
+    session.run("python", str(ROOT / "benchmarks" / "bench_e2e.py"), *smoke)
 
 
 @nox.session(**CPU_VENV)

@@ -49,6 +49,7 @@ on the host.
     python benchmarks/bench_e2e.py --out DIR --plot DIR/bench_e2e.png
     python benchmarks/bench_e2e.py --plot out.png --plot-from A/bench_e2e.md B/bench_e2e.md  # draw saved runs
     python benchmarks/bench_e2e.py --models gpt2 --profile 25 --trace DIR  # then benchmarks/trace_gaps.py DIR/*
+    python benchmarks/bench_e2e.py --models gpt2 --profile 25 --trace DIR --trace-steps 5  # + 5 steps in a row
     python benchmarks/bench_e2e.py --smoke --stacks native-eager,apex-eager   # tiny models, CPU is fine
 """
 
@@ -685,6 +686,25 @@ def profile_step(variant: Variant, rows: int, trace: Path | None = None) -> list
     return ([*kernel_categories(prof), "", *phase_times(prof), ""] if cuda else []) + table
 
 
+def trace_steps(variant: Variant, steps: int, trace: Path) -> None:
+    """A Chrome trace of ``steps`` back-to-back steps (``--trace-steps``), for what a run of steps loses
+    that one profiled step queued behind a spin kernel may not show (between steps, or where the host
+    falls behind after a few). Its steps are not steps of the comparison: their losses are dropped."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = variant.device.type == "cuda"
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            variant.step()
+        if cuda:
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    variant.release_grads()
+    del variant.losses[-steps:]
+
+
 def phase_times(prof) -> list[str]:
     """Host time of each phase of the step against the device time of the kernels it launched: a
     phase whose host time is the larger leaves the device waiting (when nothing queued before it
@@ -899,6 +919,9 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
         for variant in variants:
             trace = args.trace / f"{name}-{variant.stack}.json.gz" if args.trace else None
             profiles[variant.stack] = profile_step(variant, args.profile, trace)
+    if args.trace_steps:  # after the profiles, before the variants retire
+        for variant in variants:
+            trace_steps(variant, args.trace_steps, args.trace / f"{name}-{variant.stack}-steps.json.gz")
     for variant in variants:
         variant.retire()
     del batches
@@ -1080,6 +1103,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --profile: also write each profiled step's Chrome trace to DIR/<model>-<stack>.json.gz "
         "(benchmarks/trace_gaps.py reads them)",
     )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --trace: also trace N back-to-back steps per variant to DIR/<model>-<stack>-steps.json.gz",
+    )
     p.add_argument("--out", type=Path, help=f"also write the report to DIR/{NAME}.md")
     p.add_argument("--plot", type=Path, help="a bar chart of ms/step per model and stack (needs matplotlib)")
     p.add_argument(
@@ -1105,6 +1135,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.profile:
             p.error("--trace needs --profile ROWS (the trace is of the profiled step)")
         args.trace.mkdir(parents=True, exist_ok=True)
+    if args.trace_steps < 0 or (args.trace_steps and args.trace is None):
+        p.error("--trace-steps N needs --trace DIR (and N >= 0)")
     if min(args.steps, args.rounds, args.batch_pool) < 1 or args.warmup < 0:
         p.error("--steps, --rounds and --batch-pool must be positive, --warmup not negative")
     return args
