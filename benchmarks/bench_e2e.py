@@ -74,7 +74,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from apex import amp
 from apex.contrib.clip_grad import clip_grad_norm_ as apex_clip_grad_norm_
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
-from apex.core.benchmarking import markdown_table, report, require_cuda, time_ms, verdict
+from apex.core.benchmarking import (
+    ClockSummary,
+    GpuClockMonitor,
+    markdown_table,
+    report,
+    require_cuda,
+    time_ms,
+    verdict,
+)
 from apex.fused_dense import FusedDense, FusedDenseGeluDense
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
 from apex.optimizers import FusedAdam, FusedSGD
@@ -520,6 +528,8 @@ class Variant:
     device: torch.device
     losses: list = field(default_factory=list)  # one device scalar per step; floats once retired
     turn_ms: list[float] = field(default_factory=list)
+    turn_spans: list[tuple[float, float]] = field(default_factory=list)  # time.time() at each turn's start, end
+    clock: ClockSummary | None = None  # the GPU's clock during the timed turns (nvidia-smi samples)
     peak_bytes: int | None = None
     host_syncs: str = "n/a"
     graph_breaks: int | None = None
@@ -658,6 +668,15 @@ def check_host_syncs(variant: Variant) -> str:
     return "pass"
 
 
+def profiler_activities(device: torch.device) -> list:
+    """What torch.profiler records of a step: host ops, and on the GPU its kernels too (after a
+    synchronize, so that nothing queued before the profile lands in it)."""
+    if device.type != "cuda":
+        return [torch.profiler.ProfilerActivity.CPU]
+    torch.cuda.synchronize()
+    return [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
 def profile_step(variant: Variant, rows: int, trace: Path | None = None) -> list[str]:
     """torch.profiler's table of one step (the ops that cost the most device time, or host time on the
     CPU), for the note of a missed bar; with ``trace``, also its Chrome trace there (gzip: read it with
@@ -667,11 +686,9 @@ def profile_step(variant: Variant, rows: int, trace: Path | None = None) -> list
     of the tables), as a timed step is queued behind the step before it: a step started on an idle
     GPU shows the host's launch time of its first ops as idle time that back-to-back steps do not
     have. Idle time left in the profile is where the host fell behind within the step."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = variant.device.type == "cuda"
+    activities = profiler_activities(variant.device)
     if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
         torch.cuda._sleep(QUEUED_AHEAD_CYCLES)
     with torch.profiler.profile(activities=activities) as prof:
         variant.step()
@@ -690,12 +707,8 @@ def trace_steps(variant: Variant, steps: int, trace: Path) -> None:
     """A Chrome trace of ``steps`` back-to-back steps (``--trace-steps``), for what a run of steps loses
     that one profiled step queued behind a spin kernel may not show (between steps, or where the host
     falls behind after a few). Its steps are not steps of the comparison: their losses are dropped."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = variant.device.type == "cuda"
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize()
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=profiler_activities(variant.device)) as prof:
         for _ in range(steps):
             variant.step()
         if cuda:
@@ -907,10 +920,17 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     del state
 
     graphs = compiled_graph_count()
-    for r in range(args.rounds):
-        for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
-            variant.turn_ms.append(timed_steps_ms(variant, args.steps))
-            variant.release_grads()
+    # The SM clock while the turns run: a GPU at its power limit clocks down under sustained load,
+    # which the figures carry and one profiled step does not show.
+    with GpuClockMonitor(device if device.type == "cuda" else None, enabled=device.type == "cuda") as clocks:
+        for r in range(args.rounds):
+            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+                start = time.time()
+                variant.turn_ms.append(timed_steps_ms(variant, args.steps))
+                variant.turn_spans.append((start, time.time()))
+                variant.release_grads()
+    for variant in variants:
+        variant.clock = clocks.summary(variant.turn_spans)
     recompiles = compiled_graph_count() - graphs
     for variant in variants:  # after the timed steps, as the profile
         variant.host_ms = host_step_ms(variant)
@@ -966,10 +986,19 @@ def table_rows(results: list[Result], rate_tflops: float) -> list[list[str]]:
                     v.host_syncs,
                     "-" if v.graph_breaks is None else str(v.graph_breaks),
                     fmt(v.warmup_s, ".1f"),
+                    fmt(v.clock.median_mhz if v.clock else None, ".0f"),
+                    clock_limit(v.clock),
                     fmt(native_compiled / ms if native_compiled and ms else None, ".3f") + "x" * bool(native_compiled),
                 ]
             )
     return rows
+
+
+def clock_limit(clock: ClockSummary | None) -> str:
+    """The table's cell for what held the clock down during the timed turns: ``power cap 100%``."""
+    if clock is None:
+        return "n/a"
+    return f"{'/'.join(clock.reasons)} {100 * clock.limited:.0f}%" if clock.reasons else "none"
 
 
 def verdicts(results: list[Result], loss_rtol: float) -> list[str]:
@@ -1180,6 +1209,8 @@ def main(argv=None) -> int:
         "host syncs",
         "graph breaks",
         "warm-up s",
+        "SM MHz",
+        "clock limit",
         "native compiled / this",
     ]
     body = markdown_table(header, table_rows(results, rate))
@@ -1200,6 +1231,9 @@ def main(argv=None) -> int:
         "host ms/step: one step's host time with the GPU kept busy (a spin kernel queued ahead; median of "
         f"{HOST_PROBE_STEPS}): near ms/step, the GPU waits on the host",
         "warm-up s: wall time of the warm-up steps, torch.compile's tracing and code generation included",
+        "SM MHz, clock limit: the median SM clock of nvidia-smi's samples (every 50 ms) during the variant's "
+        "timed turns, and the share of them with a clock-limit reason active (n/a: no nvidia-smi). A GPU at "
+        "its power cap runs the timed steps below the clock of the one profiled step",
     ]
     if args.smoke:
         notes.append("smoke run: tiny models; the timings and the bars say nothing about the full sizes")

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
 
 import pytest
 import torch
 
 from apex.core.benchmarking import (
+    ClockSample,
+    GpuClockMonitor,
     against_torch,
     bench_arguments,
     compare_ms,
     environment,
     finish,
     markdown_table,
+    parse_clock_sample,
     progress,
     report,
+    summarize_clocks,
     verdict,
 )
 
@@ -118,3 +124,76 @@ def test_environment_sets_and_removes_variables_and_restores_them(monkeypatch):
         assert os.environ["APEX_TEST_NEW"] == "1" and "APEX_TEST_KEPT" not in os.environ
         raise RuntimeError  # restored on the way out of an error too
     assert "APEX_TEST_NEW" not in os.environ and os.environ["APEX_TEST_KEPT"] == "before"
+
+
+def test_parse_clock_sample_reads_nvidia_smi_lines():
+    s = parse_clock_sample("2026/12/07 10:12:17.611, 1560, 699.19, 0x0000000000000004\n")
+    assert (s.sm_mhz, s.watts, s.reasons) == (1560.0, 699.19, 4)
+    assert s.time == datetime.datetime(2026, 12, 7, 10, 12, 17, 611000).timestamp()
+    assert parse_clock_sample("2026/12/07 10:12:17.611, 1980, [N/A], 0x0000000000000000").watts is None
+    for line in (
+        "timestamp, clocks.sm [MHz], power.draw [W], clocks_event_reasons.active",
+        "",
+        "No devices were found",
+    ):
+        assert parse_clock_sample(line) is None
+
+
+def test_summarize_clocks_counts_the_limiting_reasons_only():
+    samples = [
+        ClockSample(0, 1980, 130.0, 0x1),
+        ClockSample(1, 1560, 699.0, 0x4),
+        ClockSample(2, 1845, None, 0x4 | 0x20),
+    ]
+    got = summarize_clocks(samples)
+    assert (got.samples, got.median_mhz, got.min_mhz, got.max_mhz, got.max_watts) == (3, 1845, 1560, 1980, 699.0)
+    assert got.limited == pytest.approx(2 / 3) and got.reasons == ("power cap", "thermal")  # idle (0x1) is not
+    assert got.describe() == "1845 MHz (1560-1980), 699 W, power cap/thermal in 67% of 3 samples"
+    calm = summarize_clocks([ClockSample(0, 1980, None, 0)])
+    assert calm.describe() == "1980 MHz (1980-1980), no clock limit of 1 samples"
+    assert summarize_clocks([]) is None
+
+
+def test_gpu_clock_monitor_samples_nvidia_smi_in_the_background(tmp_path, monkeypatch):
+    # A stand-in nvidia-smi: records its arguments, prints three samples (10:00:00, :01, :02), then waits
+    # to be stopped as the real one would.
+    (tmp_path / "args").write_text("")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" > {tmp_path / "args"}\n'
+        + "".join(f'echo "2026/12/07 10:00:0{i}.000, {1900 - 100 * i}, 500.5, 0x{4 * (i > 0):x}"\n' for i in range(3))
+        + "exec sleep 30\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with GpuClockMonitor(interval_ms=20) as clocks:
+        for _ in range(200):
+            if len(clocks.samples) == 3:
+                break
+            time.sleep(0.05)
+    args = (tmp_path / "args").read_text()
+    assert "-lms=20" in args and "--query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active" in args
+    assert [s.sm_mhz for s in clocks.samples] == [1900, 1800, 1700]
+    t0 = datetime.datetime(2026, 12, 7, 10, 0, 0).timestamp()
+    later = clocks.summary([(t0 + 0.5, t0 + 2.5)])  # the second and third samples
+    assert (later.samples, later.median_mhz, later.limited, later.reasons) == (2, 1750, 1.0, ("power cap",))
+    assert clocks.summary().samples == 3
+    assert clocks.summary([(t0 + 10, t0 + 11)]) is None
+
+
+def test_gpu_clock_monitor_without_nvidia_smi_gives_no_summary(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no nvidia-smi
+    with GpuClockMonitor() as clocks:
+        pass
+    assert clocks.samples == [] and clocks.summary() is None
+
+
+def test_gpu_clock_monitor_disabled_runs_nothing(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\ntouch {tmp_path / 'ran'}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    with GpuClockMonitor(enabled=False) as clocks:
+        pass
+    assert not (tmp_path / "ran").exists() and clocks.summary() is None

@@ -14,9 +14,13 @@ import contextlib
 import datetime
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -179,6 +183,157 @@ def progress(row: Sequence[str]) -> None:
     print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
 
 
+# nvidia-smi's clocks_event_reasons bits that lower the SM clock for power or heat. Idle (0x1) and the
+# application-clock setting (0x2) are not a slowdown of work in flight.
+CLOCK_LIMITS = {
+    0x4: "power cap",
+    0x8: "hardware slowdown",
+    0x20: "thermal",
+    0x40: "hardware thermal",
+    0x80: "power brake",
+}
+
+
+@dataclass(frozen=True)
+class ClockSample:
+    time: float  # seconds since the epoch: nvidia-smi's timestamp of the sample
+    sm_mhz: float
+    watts: float | None  # None where the board does not report its power draw
+    reasons: int  # clocks_event_reasons.active
+
+
+@dataclass(frozen=True)
+class ClockSummary:
+    samples: int
+    median_mhz: float
+    min_mhz: float
+    max_mhz: float
+    max_watts: float | None
+    limited: float  # fraction of the samples with a CLOCK_LIMITS reason active
+    reasons: tuple[str, ...]  # those reasons, by name
+
+    def describe(self) -> str:
+        """``1695 MHz (1560-1845), 699 W, power cap in 100% of 12 samples``."""
+        watts = f", {self.max_watts:.0f} W" if self.max_watts is not None else ""
+        why = f"{'/'.join(self.reasons)} in {100 * self.limited:.0f}%" if self.reasons else "no clock limit"
+        return (
+            f"{self.median_mhz:.0f} MHz ({self.min_mhz:.0f}-{self.max_mhz:.0f}){watts}, {why} of {self.samples} samples"
+        )
+
+
+def parse_clock_sample(line: str) -> ClockSample | None:
+    """One line of ``nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,clocks_event_reasons.active
+    --format=csv,noheader,nounits``, or None for a line that is not one (a header, an error)."""
+    cells = [c.strip() for c in line.split(",")]
+    if len(cells) != 4:
+        return None
+    try:
+        when = datetime.datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()  # the machine's local time
+        mhz = float(cells[1])
+        reasons = int(cells[3], 16)
+    except ValueError:
+        return None
+    try:
+        watts = float(cells[2])
+    except ValueError:  # "[N/A]"
+        watts = None
+    return ClockSample(when, mhz, watts, reasons)
+
+
+def summarize_clocks(samples: Sequence[ClockSample]) -> ClockSummary | None:
+    if not samples:
+        return None
+    mhz = [s.sm_mhz for s in samples]
+    watts = [s.watts for s in samples if s.watts is not None]
+    active = 0
+    for s in samples:
+        active |= s.reasons
+    return ClockSummary(
+        samples=len(samples),
+        median_mhz=statistics.median(mhz),
+        min_mhz=min(mhz),
+        max_mhz=max(mhz),
+        max_watts=max(watts) if watts else None,
+        limited=sum(1 for s in samples if s.reasons & sum(CLOCK_LIMITS)) / len(samples),
+        reasons=tuple(name for bit, name in CLOCK_LIMITS.items() if active & bit),
+    )
+
+
+class GpuClockMonitor:
+    """The GPU's SM clock, power draw and clock-limit reasons, sampled by ``nvidia-smi -lms`` in the
+    background while timed work runs, so that a report can say at which clock its figures were taken.
+
+    A GPU held at its power limit lowers its clock under sustained load: an H100 (700 W) ran GPT-2's
+    timed training steps at 1560-1845 MHz instead of 1980, about 8% slower than the same kernels in one
+    profiled step. A profile alone does not show that. ::
+
+        with GpuClockMonitor(device) as clocks:
+            start = time.time(); run(); spans.append((start, time.time()))
+        print(clocks.summary(spans).describe())
+
+    Without nvidia-smi on PATH (or on a machine without an NVIDIA GPU), or with ``enabled=False``,
+    nothing is sampled and :meth:`summary` gives None; a report says "n/a".
+    """
+
+    QUERY = "timestamp,clocks.sm,power.draw,clocks_event_reasons.active"
+
+    def __init__(self, device: torch.device | int | None = None, interval_ms: int = 50, enabled: bool = True):
+        self.interval_ms = interval_ms
+        self.device = device
+        self.enabled = enabled  # False: sample nothing (a CPU run)
+        self.samples: list[ClockSample] = []
+        self._proc: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+
+    def _select(self) -> list[str]:
+        """nvidia-smi's ``-i`` for the CUDA device (its UUID: CUDA's numbering may not be nvidia-smi's)."""
+        if self.device is None or not torch.cuda.is_available():
+            return []
+        index = self.device.index if isinstance(self.device, torch.device) else self.device
+        uuid = getattr(
+            torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index), "uuid", None
+        )
+        return ["-i", f"GPU-{uuid}"] if uuid is not None else []
+
+    def __enter__(self) -> GpuClockMonitor:
+        exe = shutil.which("nvidia-smi") if self.enabled else None
+        if exe is None:
+            return self
+        command = [exe, *self._select(), f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"]
+        try:
+            self._proc = subprocess.Popen(
+                [*command, f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+            )
+        except OSError:
+            return self
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            sample = parse_clock_sample(line)
+            if sample is not None:
+                self.samples.append(sample)
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def summary(self, spans: Sequence[tuple[float, float]] | None = None) -> ClockSummary | None:
+        """The samples taken within any of ``spans`` (``time.time()`` pairs; all samples without), or None."""
+        picked = [s for s in self.samples if spans is None or any(a <= s.time <= b for a, b in spans)]
+        return summarize_clocks(picked)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cells) + " |" for cells in rows]
@@ -263,6 +418,10 @@ def finish(
 
 
 __all__ = [
+    "CLOCK_LIMITS",
+    "ClockSample",
+    "ClockSummary",
+    "GpuClockMonitor",
     "bench_arguments",
     "compare_ms",
     "copies_for_l2",
@@ -272,10 +431,12 @@ __all__ = [
     "gb_per_s",
     "markdown_table",
     "nbytes",
+    "parse_clock_sample",
     "progress",
     "report",
     "require_cuda",
     "require_kernels",
+    "summarize_clocks",
     "time_ms",
     "verdict",
 ]
