@@ -197,3 +197,20 @@ def test_gpu_clock_monitor_disabled_runs_nothing(tmp_path, monkeypatch):
     with GpuClockMonitor(enabled=False) as clocks:
         pass
     assert not (tmp_path / "ran").exists() and clocks.summary() is None
+
+
+def test_report_names_the_clock_of_a_busy_gpu(monkeypatch, capsys):
+    from apex.core import benchmarking
+
+    clocks = GpuClockMonitor()  # not entered: the samples are given
+    clocks.samples = [ClockSample(0, 1980, 90.0, 0x1), ClockSample(1, 1600, 700.0, 0x4), ClockSample(2, 1700, 690.0, 0)]
+    monkeypatch.setattr(benchmarking, "_run_clocks", clocks)
+    text = report("bench_x", ["body"], cpu=False)
+    # the idle sample (0x1) is left out
+    want = "- SM clock while the GPU was busy (nvidia-smi every 50 ms): 1650 MHz (1600-1700), 700 W, "
+    want += "power cap in 50% of 2 samples"
+    assert want in text.splitlines()
+    assert "SM clock" not in report("bench_x", ["body"], cpu=True)
+    monkeypatch.setattr(benchmarking, "_run_clocks", None)
+    assert "SM clock" not in report("bench_x", ["body"], cpu=False)
+    capsys.readouterr()

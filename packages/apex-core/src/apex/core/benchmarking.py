@@ -10,6 +10,7 @@ whose header names the device, the versions, the time and the command.
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import datetime
 import math
@@ -27,9 +28,12 @@ import torch
 
 
 def require_cuda(script: str, devices: int = 1) -> bool:
-    """Whether ``devices`` CUDA devices are visible; if not, says so on stderr (the caller exits 1)."""
+    """Whether ``devices`` CUDA devices are visible; if not, says so on stderr (the caller exits 1).
+    If so (one device), the GPU's clock is watched for the rest of the run (:func:`watch_clocks`)."""
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found >= devices:
+        if devices == 1:  # a multi-process run's ranks pick their devices later
+            watch_clocks()
         return True
     needs = "a CUDA device" if devices == 1 else f"{devices} CUDA devices, found {found}"
     print(f"{script}: needs {needs}", file=sys.stderr)
@@ -183,6 +187,7 @@ def progress(row: Sequence[str]) -> None:
     print("| " + " | ".join(row) + " |", file=sys.stderr, flush=True)
 
 
+GPU_IDLE = 0x1  # nvidia-smi's clocks_event_reasons bit of a GPU with nothing to run
 # nvidia-smi's clocks_event_reasons bits that lower the SM clock for power or heat. Idle (0x1) and the
 # application-clock setting (0x2) are not a slowdown of work in flight.
 CLOCK_LIMITS = {
@@ -328,10 +333,35 @@ class GpuClockMonitor:
         if self._reader is not None:
             self._reader.join(timeout=5)
 
-    def summary(self, spans: Sequence[tuple[float, float]] | None = None) -> ClockSummary | None:
-        """The samples taken within any of ``spans`` (``time.time()`` pairs; all samples without), or None."""
+    def summary(
+        self, spans: Sequence[tuple[float, float]] | None = None, busy_only: bool = False
+    ) -> ClockSummary | None:
+        """The samples taken within any of ``spans`` (``time.time()`` pairs; all samples without), less
+        those of an idle GPU with ``busy_only``; None where none is left."""
         picked = [s for s in self.samples if spans is None or any(a <= s.time <= b for a, b in spans)]
-        return summarize_clocks(picked)
+        return summarize_clocks([s for s in picked if not (busy_only and s.reasons & GPU_IDLE)])
+
+
+_run_clocks: GpuClockMonitor | None = None  # the process's watch (watch_clocks)
+
+
+def watch_clocks() -> GpuClockMonitor | None:
+    """Sample the current GPU's clock for the rest of the process (started once; stopped at exit), so
+    that :func:`report` can say at which clock the run's figures were taken. None without CUDA."""
+    global _run_clocks
+    if _run_clocks is None and torch.cuda.is_available():
+        _run_clocks = GpuClockMonitor(torch.cuda.current_device()).__enter__()
+        atexit.register(_run_clocks.__exit__, None, None, None)
+    return _run_clocks
+
+
+def run_clock_note() -> str | None:
+    """The report's line on the clock of the run so far: the samples of a busy GPU, or None (no watch,
+    no nvidia-smi, nothing busy sampled)."""
+    summary = _run_clocks.summary(busy_only=True) if _run_clocks is not None else None
+    if summary is None:
+        return None
+    return f"SM clock while the GPU was busy (nvidia-smi every {_run_clocks.interval_ms} ms): {summary.describe()}"
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
@@ -355,8 +385,9 @@ def report(
     The header: ``# name``; the device (``devices`` of them, with the NCCL version when more
     than one; the CPU and its thread count with ``cpu=True`` or where there is no GPU), torch
     and CUDA versions and the UTC time; the command line; the copy bandwidth measured in the
-    run, when given; then one bullet per note. ``body`` (tables, verdicts) follows after a
-    blank line. Returns the text.
+    run, when given; then one bullet per note, and one on the SM clock while the GPU was busy where
+    the run watched it (:func:`watch_clocks`, started by :func:`require_cuda`). ``body`` (tables,
+    verdicts) follows after a blank line. Returns the text.
     """
     if cpu or not torch.cuda.is_available():  # CPU runs (smoke runs, the CPU path's benchmarks)
         gpu, versions = f"cpu, {torch.get_num_threads()} threads", f"torch {torch.__version__}"
@@ -376,6 +407,9 @@ def report(
     if copy_gbps is not None:
         lines.append(f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s")
     lines += [f"- {note}" for note in notes]
+    clock = None if cpu else run_clock_note()
+    if clock is not None:
+        lines.append(f"- {clock}")
     text = "\n".join([*lines, "", *body]) + "\n"
     print(text)
     if out is not None:
@@ -419,6 +453,7 @@ def finish(
 
 __all__ = [
     "CLOCK_LIMITS",
+    "GPU_IDLE",
     "ClockSample",
     "ClockSummary",
     "GpuClockMonitor",
@@ -436,7 +471,9 @@ __all__ = [
     "report",
     "require_cuda",
     "require_kernels",
+    "run_clock_note",
     "summarize_clocks",
     "time_ms",
     "verdict",
+    "watch_clocks",
 ]
