@@ -114,7 +114,7 @@ def tests(session: nox.Session) -> None:
     # with its profile and both traces.
     traces = str(Path(session.create_tmp()) / "traces")
     smoke = ["--smoke", "--stacks", "native-eager,apex-eager", "--profile", "5", "--trace", traces]
-    smoke += ["--trace-steps", "2"]
+    smoke += ["--trace-steps", "2", "--phase-steps", "2"]
     session.run("python", str(ROOT / "benchmarks" / "bench_e2e.py"), *smoke)
 
 

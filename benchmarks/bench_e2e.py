@@ -56,6 +56,7 @@ on the host.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import math
 import statistics
@@ -535,6 +536,18 @@ class Variant:
     graph_breaks: int | None = None
     warmup_s: float | None = None  # the warm-up steps' wall time: torch.compile's work in the compiled stacks
     host_ms: float | None = None  # one step's host time with the GPU busy (host_step_ms)
+    marks: list | None = None  # (phase, CUDA event, host time) at each phase's start, while phase_times runs
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """One phase of a step: a profiler range (PHASE + name) and, while ``marks`` is a list, a CUDA
+        event and the host clock at its start (``--phase-steps``)."""
+        if self.marks is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event, time.perf_counter()))
+        with record_function(PHASE + name):
+            yield
 
     @property
     def apex(self) -> bool:
@@ -542,24 +555,24 @@ class Variant:
 
     def step(self) -> None:
         inputs, targets = self.batches[len(self.losses) % len(self.batches)]
-        # The phases are named for the profile (PHASE ranges; about a microsecond each otherwise).
-        with record_function(PHASE + "zero_grad"):
+        # The phases are named for the profile and --phase-steps (about a microsecond each otherwise).
+        with self.phase("zero_grad"):
             self.optimizer.zero_grad(set_to_none=True)
         if self.apex:
-            with record_function(PHASE + "forward"):
+            with self.phase("forward"):
                 loss = self.run(inputs, targets)
-            with record_function(PHASE + "backward"), amp.scale_loss(loss, self.optimizer) as scaled:
+            with self.phase("backward"), amp.scale_loss(loss, self.optimizer) as scaled:
                 scaled.backward()
-            with record_function(PHASE + "clip"):
+            with self.phase("clip"):
                 apex_clip_grad_norm_(self.clip_params, MAX_GRAD_NORM)
         else:
-            with record_function(PHASE + "forward"), torch.autocast(self.device.type, dtype=torch.bfloat16):
+            with self.phase("forward"), torch.autocast(self.device.type, dtype=torch.bfloat16):
                 loss = self.run(inputs, targets)
-            with record_function(PHASE + "backward"):
+            with self.phase("backward"):
                 loss.backward()
-            with record_function(PHASE + "clip"):
+            with self.phase("clip"):
                 torch.nn.utils.clip_grad_norm_(self.clip_params, MAX_GRAD_NORM, foreach=True)
-        with record_function(PHASE + "optimizer"):
+        with self.phase("optimizer"):
             self.optimizer.step()
         self.losses.append(loss.detach())
 
@@ -570,7 +583,7 @@ class Variant:
     def retire(self) -> None:
         """Keep the measurements (losses as floats), let go of the model, optimizer and data."""
         self.losses = torch.stack(self.losses).float().tolist()
-        self.module = self.run = self.optimizer = self.clip_params = self.batches = None
+        self.module = self.run = self.optimizer = self.clip_params = self.batches = self.marks = None
 
 
 def build_variant(stack: str, spec: ModelSpec, state: dict, batches: list, device: torch.device) -> Variant:
@@ -718,6 +731,69 @@ def trace_steps(variant: Variant, steps: int, trace: Path) -> None:
     del variant.losses[-steps:]
 
 
+def phase_rows(marks: list[tuple[str, float, float]], end: tuple[float, float], steps: int) -> list[list[str]]:
+    """The ``--phase-steps`` table from marks (phase, GPU ms, host ms), both clocks from the same start
+    (an idle GPU), and the end (GPU ms, host ms) after the last step: per phase, its GPU time and host
+    time a step (from its mark to the next), and by how much the host was ahead of the GPU at its marks
+    after the first step's (min and median; near 0: the GPU waited on the host there)."""
+    per: dict[str, dict[str, list[float]]] = {name: {"gpu": [], "host": [], "lead": []} for name, _, _ in marks}
+    first_step = len(per)  # the first step's marks: it starts on an idle GPU, the host never ahead
+    bounds = [*marks, ("end", *end)]
+    for i, (name, gpu, host) in enumerate(marks):
+        per[name]["gpu"].append(bounds[i + 1][1] - gpu)
+        per[name]["host"].append(bounds[i + 1][2] - host)
+        if i >= first_step:
+            per[name]["lead"].append(gpu - host)
+    rows = []
+    for name, row in per.items():
+        lead = row["lead"]
+        rows.append(
+            [
+                name,
+                f"{sum(row['gpu']) / steps:.3f}",
+                f"{sum(row['host']) / steps:.3f}",
+                f"{min(lead):.2f}" if lead else "-",
+                f"{statistics.median(lead):.2f}" if lead else "-",
+            ]
+        )
+    rows.append(["step", f"{(end[0] - marks[0][1]) / steps:.3f}", f"{(end[1] - marks[0][2]) / steps:.3f}", "", ""])
+    return rows
+
+
+def phase_times_table(variant: Variant, steps: int) -> list[str]:
+    """``--phase-steps``: ``steps`` unprofiled back-to-back steps with a CUDA event and the host clock at
+    every phase start: where the step's GPU time goes, and whether the GPU ever waits on the host, without
+    the profiler's host overhead (2-3x a compiled step's host time), and the SM clock meanwhile."""
+    if variant.device.type != "cuda":
+        return []
+    torch.cuda.synchronize()
+    variant.marks = []
+    with GpuClockMonitor(variant.device) as clocks:
+        start_event = torch.cuda.Event(enable_timing=True)
+        start_event.record()
+        start = time.perf_counter()
+        wall_start = time.time()
+        for _ in range(steps):
+            variant.step()
+        end_event = torch.cuda.Event(enable_timing=True)
+        end_event.record()
+        end = time.perf_counter()
+        torch.cuda.synchronize()
+        wall_end = time.time()
+    marks = [(name, start_event.elapsed_time(event), 1e3 * (at - start)) for name, event, at in variant.marks]
+    variant.marks = None
+    variant.release_grads()
+    del variant.losses[-steps:]  # not steps of the comparison
+    rows = phase_rows(marks, (start_event.elapsed_time(end_event), 1e3 * (end - start)), steps)
+    clock = clocks.summary([(wall_start, wall_end)])
+    header = ["phase", "GPU ms/step", "host ms/step", "host ahead, min ms", "host ahead, median ms"]
+    return [
+        *markdown_table(header, rows),
+        "",
+        f"SM clock during these steps: {clock.describe() if clock else 'n/a'}",
+    ]
+
+
 def phase_times(prof) -> list[str]:
     """Host time of each phase of the step against the device time of the kernels it launched: a
     phase whose host time is the larger leaves the device waiting (when nothing queued before it
@@ -862,6 +938,7 @@ class Result:
     variants: list[Variant]
     profiles: dict[str, list[str]] = field(default_factory=dict)
     recompiles: int = 0  # graphs compiled during the timed rounds (should be none)
+    phases: dict[str, list[str]] = field(default_factory=dict)  # --phase-steps tables by stack
 
     def ms(self, stack: str) -> float | None:
         v = self.get(stack)
@@ -934,6 +1011,10 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     recompiles = compiled_graph_count() - graphs
     for variant in variants:  # after the timed steps, as the profile
         variant.host_ms = host_step_ms(variant)
+    phases = {}
+    if args.phase_steps:  # unprofiled, before the profiles
+        for variant in variants:
+            phases[variant.stack] = phase_times_table(variant, args.phase_steps)
     profiles = {}
     if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
         for variant in variants:
@@ -950,7 +1031,7 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     if device.type == "cuda":
         torch.cuda.empty_cache()
     print(f"  {name} done in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    return Result(name, spec, flops, variants, profiles, recompiles)
+    return Result(name, spec, flops, variants, profiles, recompiles, phases)
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -1139,6 +1220,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="with --trace: also trace N back-to-back steps per variant to DIR/<model>-<stack>-steps.json.gz",
     )
+    p.add_argument(
+        "--phase-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="append each variant's GPU and host time per step phase over N unprofiled back-to-back steps "
+        "(CUDA events at the phase starts), with how far the host ran ahead",
+    )
     p.add_argument("--out", type=Path, help=f"also write the report to DIR/{NAME}.md")
     p.add_argument("--plot", type=Path, help="a bar chart of ms/step per model and stack (needs matplotlib)")
     p.add_argument(
@@ -1166,6 +1255,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.trace.mkdir(parents=True, exist_ok=True)
     if args.trace_steps < 0 or (args.trace_steps and args.trace is None):
         p.error("--trace-steps N needs --trace DIR (and N >= 0)")
+    if args.phase_steps < 0:
+        p.error("--phase-steps N needs N >= 0")
     if min(args.steps, args.rounds, args.batch_pool) < 1 or args.warmup < 0:
         p.error("--steps, --rounds and --batch-pool must be positive, --warmup not negative")
     return args
@@ -1216,6 +1307,10 @@ def main(argv=None) -> int:
     body = markdown_table(header, table_rows(results, rate))
     body += ["", *verdicts(results, args.loss_rtol)]
     for res in results:
+        for stack, table in res.phases.items():
+            if table:
+                title = f"## phases: {res.model}, {stack} ({args.phase_steps} unprofiled steps, CUDA events)"
+                body += ["", title, "", *table]
         for stack, table in res.profiles.items():
             body += ["", f"## profile: {res.model}, {stack} (one step)", "", *table]
     notes = [

@@ -78,3 +78,18 @@ def test_llama_projections():
         out = module(leaf)
         results.append((out.detach(), torch.autograd.grad(out, [leaf, module.weight], torch.ones_like(out))))
     assert_same(results)
+
+
+def test_phase_rows_split_the_step_and_find_where_the_gpu_waited():
+    # Two steps of two phases, ms from one start on both clocks. The host launches a step's forward in
+    # 1 ms and its backward in 1 ms; the GPU needs 4 and 6. Step 2's forward mark is reached on the GPU
+    # at 10 ms (after step 1's work), on the host at 2 ms: 8 ms ahead; its backward mark at 14 vs 3.
+    marks = [("forward", 0.0, 0.0), ("backward", 4.0, 1.0), ("forward", 10.0, 2.0), ("backward", 14.0, 3.0)]
+    rows = bench_e2e.phase_rows(marks, end=(20.0, 4.0), steps=2)
+    assert rows == [
+        ["forward", "4.000", "1.000", "8.00", "8.00"],
+        ["backward", "6.000", "1.000", "11.00", "11.00"],
+        ["step", "10.000", "2.000", "", ""],
+    ]
+    # One step: no mark after the first step's, so no lead.
+    assert bench_e2e.phase_rows(marks[:2], end=(10.0, 2.0), steps=1)[0] == ["forward", "4.000", "1.000", "-", "-"]
