@@ -16,7 +16,10 @@ launch, with its parent): where a step's device time goes, kernel by kernel, nam
 for it (cuBLAS's and cuDNN's kernels say nothing of the layer they serve).
 
 The profiler's own per-op cost is in the host times (more per op than an unprofiled run pays), so
-read the ranking, not the absolute numbers.
+read the ranking, not the absolute numbers. It can also make gaps that an unprofiled run does not
+have: GPT-2's compiled step took 64 ms of host time under the profiler against 24 ms without, and
+its traced back-to-back steps (``--trace-steps``) waited 28 ms on the host where the timed steps
+waited on nothing. Whether unprofiled steps wait on the host: ``bench_e2e.py --phase-steps N``.
 
     python benchmarks/trace_gaps.py out/gpt2-apex-eager.json.gz [--min-us 10] [--top 15]
 """
