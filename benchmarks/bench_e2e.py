@@ -999,7 +999,7 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     graphs = compiled_graph_count()
     # The SM clock while the turns run: a GPU at its power limit clocks down under sustained load,
     # which the figures carry and one profiled step does not show.
-    with GpuClockMonitor(device if device.type == "cuda" else None, enabled=device.type == "cuda") as clocks:
+    with GpuClockMonitor(device, enabled=device.type == "cuda") as clocks:
         for r in range(args.rounds):
             for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
                 start = time.time()

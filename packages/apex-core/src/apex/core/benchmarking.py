@@ -197,6 +197,7 @@ CLOCK_LIMITS = {
     0x40: "hardware thermal",
     0x80: "power brake",
 }
+_LIMIT_MASK = sum(CLOCK_LIMITS)
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ def summarize_clocks(samples: Sequence[ClockSample]) -> ClockSummary | None:
         min_mhz=min(mhz),
         max_mhz=max(mhz),
         max_watts=max(watts) if watts else None,
-        limited=sum(1 for s in samples if s.reasons & sum(CLOCK_LIMITS)) / len(samples),
+        limited=sum(1 for s in samples if s.reasons & _LIMIT_MASK) / len(samples),
         reasons=tuple(name for bit, name in CLOCK_LIMITS.items() if active & bit),
     )
 
