@@ -51,6 +51,12 @@ on the host.
     python benchmarks/bench_e2e.py --models gpt2 --profile 25 --trace DIR  # then benchmarks/trace_gaps.py DIR/*
     python benchmarks/bench_e2e.py --models gpt2 --profile 25 --trace DIR --trace-steps 5  # + 5 steps in a row
     python benchmarks/bench_e2e.py --smoke --stacks native-eager,apex-eager   # tiny models, CPU is fine
+    python benchmarks/bench_e2e.py --models gpt2 --stacks native-compiled,apex-eager,apex-eager+APEX_SIDE_STREAM=0
+
+A stack named ``STACK+VAR=VALUE[+VAR=VALUE...]`` is one more variant of STACK that runs its steps
+with those environment variables set (switches apex's kernels read on every call, such as
+``APEX_SIDE_STREAM`` or ``APEX_CUBLASLT_DISABLE``), timed in turns with the others: an A/B of a
+kernel choice under a training step's sustained load. The bars count the plain stacks only.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ import argparse
 import contextlib
 import gc
 import math
+import re
 import statistics
 import sys
 import time
@@ -78,6 +85,7 @@ from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from apex.core.benchmarking import (
     ClockSummary,
     GpuClockMonitor,
+    environment,
     markdown_table,
     report,
     require_cuda,
@@ -520,7 +528,7 @@ def param_groups(module: nn.Module, weight_decay: float) -> list[dict]:
 
 @dataclass
 class Variant:
-    stack: str
+    stack: str  # a name of STACKS, or one with +VAR=VALUE settings (stack_env)
     module: nn.Module  # as trained (amp-initialized in apex stacks), not compiled
     run: Callable  # the module, or its compiled form
     optimizer: torch.optim.Optimizer
@@ -553,7 +561,15 @@ class Variant:
     def apex(self) -> bool:
         return self.stack.startswith("apex")
 
+    @property
+    def env(self) -> dict[str, str]:
+        return stack_env(self.stack)[1]
+
     def step(self) -> None:
+        with environment(**self.env):
+            self._step()
+
+    def _step(self) -> None:
         inputs, targets = self.batches[len(self.losses) % len(self.batches)]
         # The phases are named for the profile and --phase-steps (about a microsecond each otherwise).
         with self.phase("zero_grad"):
@@ -586,6 +602,26 @@ class Variant:
         self.module = self.run = self.optimizer = self.clip_params = self.batches = self.marks = None
 
 
+def stack_env(stack: str) -> tuple[str, dict[str, str]]:
+    """``apex-eager+APEX_SIDE_STREAM=0`` -> ("apex-eager", {"APEX_SIDE_STREAM": "0"}); a plain name ->
+    (name, {}). Raises ValueError for an unknown base stack or a setting without ``=``."""
+    base, *settings = stack.split("+")
+    if base not in STACKS:
+        raise ValueError(f"unknown stack {base!r}; choose from {', '.join(STACKS)}")
+    env = {}
+    for setting in settings:
+        name, sep, value = setting.partition("=")
+        if not sep or not name:
+            raise ValueError(f"{stack!r}: {setting!r} is not VAR=VALUE")
+        env[name] = value
+    return base, env
+
+
+def file_name(stack: str) -> str:
+    """The stack's name in a file name: letters, digits, '.', '_' and '-' (``+VAR=VALUE`` -> ``_VAR_VALUE``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", stack)
+
+
 def build_variant(stack: str, spec: ModelSpec, state: dict, batches: list, device: torch.device) -> Variant:
     kit = Kit(apex=stack.startswith("apex"))
     with torch.device(device):
@@ -609,7 +645,7 @@ def build_variant(stack: str, spec: ModelSpec, state: dict, batches: list, devic
         else:
             optimizer = torch.optim.SGD(groups, lr=spec.lr, momentum=0.9, fused=True)
         clip_params = list(module.parameters())
-    run = torch.compile(module) if stack.endswith("compiled") else module
+    run = torch.compile(module) if stack_env(stack)[0].endswith("compiled") else module
     return Variant(stack, module, run, optimizer, clip_params, batches, device)
 
 
@@ -981,7 +1017,7 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
                 flush=True,
             )
         variant.warmup_s = time.perf_counter() - warm_start
-        if stack.endswith("compiled"):
+        if stack_env(stack)[0].endswith("compiled"):
             variant.graph_breaks = graph_break_count() - breaks
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -1018,11 +1054,11 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     profiles = {}
     if args.profile:  # after the timed steps, so the losses compared are those of unprofiled steps
         for variant in variants:
-            trace = args.trace / f"{name}-{variant.stack}.json.gz" if args.trace else None
+            trace = args.trace / f"{name}-{file_name(variant.stack)}.json.gz" if args.trace else None
             profiles[variant.stack] = profile_step(variant, args.profile, trace)
     if args.trace_steps:  # after the profiles, before the variants retire
         for variant in variants:
-            trace_steps(variant, args.trace_steps, args.trace / f"{name}-{variant.stack}-steps.json.gz")
+            trace_steps(variant, args.trace_steps, args.trace / f"{name}-{file_name(variant.stack)}-steps.json.gz")
     for variant in variants:
         variant.retire()
     del batches
@@ -1240,10 +1276,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     args.stacks = [s.strip() for s in args.stacks.split(",") if s.strip()]
-    unknown = [s for s in args.stacks if s not in STACKS]
-    if unknown or not args.stacks:
-        p.error(f"--stacks: unknown {unknown}; choose from {', '.join(STACKS)}")
-    args.stacks = [s for s in STACKS if s in args.stacks]  # a fixed order for the table
+    if not args.stacks:
+        p.error(f"--stacks: none given; choose from {', '.join(STACKS)}")
+    for stack in args.stacks:
+        try:
+            stack_env(stack)
+        except ValueError as exc:
+            p.error(f"--stacks: {exc}")
+    # A fixed order for the table: STACKS', each stack's +VAR=VALUE variants after it as given.
+    args.stacks = sorted(dict.fromkeys(args.stacks), key=lambda s: STACKS.index(stack_env(s)[0]))
     if args.smoke:
         defaults = {"steps": 10, "rounds": 5, "warmup": 3, "batch_pool": 8}
         for key, small in {"steps": 1, "rounds": 1, "warmup": 1, "batch_pool": 2}.items():

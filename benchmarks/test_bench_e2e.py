@@ -3,6 +3,7 @@ CPU (values and gradients), so that the stacks differ in kernels only."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -93,3 +94,32 @@ def test_phase_rows_split_the_step_and_find_where_the_gpu_waited():
     ]
     # One step: no mark after the first step's, so no lead.
     assert bench_e2e.phase_rows(marks[:2], end=(10.0, 2.0), steps=1)[0] == ["forward", "4.000", "1.000", "-", "-"]
+
+
+def test_stack_env_splits_a_stack_from_its_settings():
+    assert bench_e2e.stack_env("apex-eager") == ("apex-eager", {})
+    assert bench_e2e.stack_env("apex-compiled+APEX_SIDE_STREAM=0+APEX_CUBLASLT_DISABLE=gelu_aux") == (
+        "apex-compiled",
+        {"APEX_SIDE_STREAM": "0", "APEX_CUBLASLT_DISABLE": "gelu_aux"},
+    )
+    for bad in ("apex-fast", "apex-eager+APEX_SIDE_STREAM", "apex-eager+=0"):
+        with pytest.raises(ValueError, match=r"unknown stack|is not VAR=VALUE"):
+            bench_e2e.stack_env(bad)
+    assert bench_e2e.file_name("apex-eager+APEX_SIDE_STREAM=0") == "apex-eager_APEX_SIDE_STREAM_0"
+
+
+def test_stacks_keep_the_table_order_with_variants_after_their_stack():
+    args = bench_e2e.parse_args(["--stacks", "apex-eager+APEX_SIDE_STREAM=0,native-compiled,apex-eager,apex-eager"])
+    assert args.stacks == ["native-compiled", "apex-eager+APEX_SIDE_STREAM=0", "apex-eager"]
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--stacks", "apex-eager+SIDE"])
+
+
+def test_a_variant_steps_with_its_settings(monkeypatch):
+    # The settings hold during the step (the kernels read them on every call) and are undone after it.
+    monkeypatch.delenv("APEX_E2E_TEST", raising=False)
+    seen = []
+    variant = bench_e2e.Variant("apex-eager+APEX_E2E_TEST=1", None, None, None, [], [], torch.device("cpu"))
+    monkeypatch.setattr(bench_e2e.Variant, "_step", lambda self: seen.append(os.environ.get("APEX_E2E_TEST")))
+    variant.step()
+    assert seen == ["1"] and "APEX_E2E_TEST" not in os.environ
