@@ -110,8 +110,8 @@ def tests(session: nox.Session) -> None:
     install_packages(session, install_order())
     session.install("--no-deps", "--no-build-isolation", str(PACKAGES / "apex"))  # no code: nothing to edit
     session.run(*pytest_args(session, [str(PACKAGES), str(ROOT / "benchmarks")]))  # benchmarks/: its tools' tests
-    # The end-to-end benchmark's tiny models through both stacks (every package at once, on the CPU),
-    # with its profile and both traces.
+    # The end-to-end benchmark's tiny models through both eager stacks and a variant with an apex switch
+    # set (every package at once, on the CPU), with its profile, both traces and the phase timing.
     traces = str(Path(session.create_tmp()) / "traces")
     smoke = ["--smoke", "--stacks", "native-eager,apex-eager,apex-eager+APEX_SIDE_STREAM=0", "--profile", "5"]
     smoke += ["--trace", traces]
