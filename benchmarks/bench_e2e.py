@@ -84,13 +84,13 @@ from apex.contrib.clip_grad import clip_grad_norm_ as apex_clip_grad_norm_
 from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 from apex.core.benchmarking import (
     ClockSummary,
-    GpuClockMonitor,
     environment,
     markdown_table,
     report,
     require_cuda,
     time_ms,
     verdict,
+    watch_clocks,
 )
 from apex.fused_dense import FusedDense, FusedDenseGeluDense
 from apex.normalization import FusedLayerNorm, FusedRMSNorm
@@ -804,24 +804,24 @@ def phase_times_table(variant: Variant, steps: int) -> list[str]:
         return []
     torch.cuda.synchronize()
     variant.marks = []
-    with GpuClockMonitor(variant.device) as clocks:
-        start_event = torch.cuda.Event(enable_timing=True)
-        start_event.record()
-        start = time.perf_counter()
-        wall_start = time.time()
-        for _ in range(steps):
-            variant.step()
-        end_event = torch.cuda.Event(enable_timing=True)
-        end_event.record()
-        end = time.perf_counter()
-        torch.cuda.synchronize()
-        wall_end = time.time()
+    start_event = torch.cuda.Event(enable_timing=True)
+    start_event.record()
+    start = time.perf_counter()
+    wall_start = time.time()
+    for _ in range(steps):
+        variant.step()
+    end_event = torch.cuda.Event(enable_timing=True)
+    end_event.record()
+    end = time.perf_counter()
+    torch.cuda.synchronize()
+    wall_end = time.time()
     marks = [(name, start_event.elapsed_time(event), 1e3 * (at - start)) for name, event, at in variant.marks]
     variant.marks = None
     variant.release_grads()
     del variant.losses[-steps:]  # not steps of the comparison
     rows = phase_rows(marks, (start_event.elapsed_time(end_event), 1e3 * (end - start)), steps)
-    clock = clocks.summary([(wall_start, wall_end)])
+    clocks = watch_clocks()  # the process's samples (require_cuda started the watch)
+    clock = clocks.summary([(wall_start, wall_end)]) if clocks else None
     header = ["phase", "GPU ms/step", "host ms/step", "host ahead, min ms", "host ahead, median ms"]
     return [
         *markdown_table(header, rows),
@@ -1033,17 +1033,17 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     del state
 
     graphs = compiled_graph_count()
-    # The SM clock while the turns run: a GPU at its power limit clocks down under sustained load,
-    # which the figures carry and one profiled step does not show.
-    with GpuClockMonitor(device, enabled=device.type == "cuda") as clocks:
-        for r in range(args.rounds):
-            for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
-                start = time.time()
-                variant.turn_ms.append(timed_steps_ms(variant, args.steps))
-                variant.turn_spans.append((start, time.time()))
-                variant.release_grads()
+    for r in range(args.rounds):
+        for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
+            start = time.time()
+            variant.turn_ms.append(timed_steps_ms(variant, args.steps))
+            variant.turn_spans.append((start, time.time()))
+            variant.release_grads()
+    # The SM clock while the turns ran (the process's watch; none on the CPU): a GPU at its power limit
+    # clocks down under sustained load, which the figures carry and one profiled step does not show.
+    clocks = watch_clocks() if device.type == "cuda" else None
     for variant in variants:
-        variant.clock = clocks.summary(variant.turn_spans)
+        variant.clock = clocks.summary(variant.turn_spans) if clocks else None
     recompiles = compiled_graph_count() - graphs
     for variant in variants:  # after the timed steps, as the profile
         variant.host_ms = host_step_ms(variant)
