@@ -16,3 +16,18 @@ def raises_on_one(rank: int, world: int):
     if rank == 1:
         raise ValueError("rank one refuses")
     return rank
+
+
+def environment(rank: int, world: int, names: list[str]):
+    """The values of ``names`` in this rank's environment, and whether a test already ran in it."""
+    import os
+    import sys
+
+    return {name: os.environ.get(name) for name in names}, "_apex_ranks_testing_ran" in sys.modules
+
+
+def mark_ran(rank: int, world: int):
+    import sys
+
+    sys.modules["_apex_ranks_testing_ran"] = sys.modules[__name__]
+    return rank

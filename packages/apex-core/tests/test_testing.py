@@ -22,6 +22,20 @@ def test_a_failure_in_the_function_is_reported_not_retried(capfd):
     assert "retrying" not in capfd.readouterr().err
 
 
+def test_ranks_see_the_environment_of_the_call_and_start_clean(monkeypatch):
+    """The ranks fork from a server started at the first call: they still see the caller's environment
+    as it is at each call, and nothing an earlier call's ranks did."""
+    run_ranks(RANKS, "mark_ran", 2, timeout=120)  # starts the server (if this test runs first)
+    monkeypatch.setenv("APEX_TEST_RANKS_VALUE", "set after the first call")
+    monkeypatch.delenv("PATH")  # the server started with one
+    names = ["APEX_TEST_RANKS_VALUE", "PATH", "RANK", "WORLD_SIZE"]
+    for environment, ran in run_ranks(RANKS, "environment", 2, args=(names,), timeout=120):
+        assert environment["APEX_TEST_RANKS_VALUE"] == "set after the first call"
+        assert environment["PATH"] is None
+        assert environment["WORLD_SIZE"] == "2"
+        assert not ran
+
+
 MESH = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:23171"
 
 
