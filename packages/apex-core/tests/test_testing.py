@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch.multiprocessing as mp
 
-from apex.core.testing import RankFailed, _transient_start, run_ranks
+from apex.core.testing import RankFailed, _rank_context, _transient_start, run_ranks
 
 RANKS = str(Path(__file__).with_name("_ranks_testing.py"))
 
@@ -34,6 +35,12 @@ def test_ranks_see_the_environment_of_the_call_and_start_clean(monkeypatch):
         assert environment["PATH"] is None
         assert environment["WORLD_SIZE"] == "2"
         assert not ran
+
+
+def test_gloo_ranks_fork_from_a_server_and_nccl_ranks_spawn():
+    forked = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    assert _rank_context("gloo").get_start_method() == forked
+    assert _rank_context("nccl").get_start_method() == "spawn"  # a forked child may not reach CUDA
 
 
 MESH = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection closed by peer [127.0.0.1]:23171"

@@ -12,10 +12,11 @@ sometimes fails to connect on a loaded machine ("Connection closed by peer" from
 ``connectFullMesh``, before any rank has run the function); such a start is retried up to twice
 with a fresh rendezvous. A failure after the process group is up is never retried.
 
-The ranks are forked from a forkserver that imported torch once per test process (where the platform
-has one; else each rank is a fresh interpreter, spawn): like spawn's, each starts from a process
-that never ran a test, and it gets the caller's environment as it is at the call, but it does not
-import torch again (a four-rank call on the two-core CI machine: 8 s with spawn, 0.5 s forked).
+gloo ranks are forked from a forkserver that imported torch once per test process (where the
+platform has one; nccl ranks, and every rank elsewhere, are fresh interpreters: spawn). Like a
+spawned rank, each starts from a process that never ran a test and gets the caller's environment
+as it is at the call, but it does not import torch again (a four-rank call on the two-core CI
+machine: 8 s with spawn, 0.5 s forked).
 
 Worker functions live in the test file itself: test modules are imported under names that a
 child process cannot import, so the child loads the file by path instead. With ``backend
@@ -248,19 +249,23 @@ def run_ranks(
     return [values[r] for r in range(world_size)]
 
 
-def _rank_context():
-    """The multiprocessing context of the ranks: a forkserver with torch imported, else spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
+def _rank_context(backend: str):
+    """The multiprocessing context of the ranks: for gloo a forkserver with torch imported, else spawn.
+
+    nccl ranks (GPU machines, where a start costs little beside the test) keep spawn: a process whose
+    CUDA driver is initialized cannot fork children that use CUDA, and whether importing torch
+    initializes it is torch's business. Seen once (session 42, one H100 call): a failure in a run of
+    apex-parallel's GPU tests with forked nccl ranks that timed out before it could say which."""
+    if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    # Only before the server's first start; later calls reuse the server. No CUDA call happens in
-    # the server, so the forked ranks can each take a GPU (nccl).
+    # Only before the server's first start; later calls reuse the server.
     context.set_forkserver_preload(["torch", "torch.distributed"])
     return context
 
 
 def _run_once(path, function, world_size, backend, args, timeout, collective_timeout):
-    context = _rank_context()
+    context = _rank_context(backend)
     results = context.Queue()
     rendezvous = tempfile.mkdtemp(prefix="apex-ranks-")
     procs = [
