@@ -254,8 +254,9 @@ def _rank_context(backend: str):
 
     nccl ranks (GPU machines, where a start costs little beside the test) keep spawn: a process whose
     CUDA driver is initialized cannot fork children that use CUDA, and whether importing torch
-    initializes it is torch's business. Seen once (session 42, one H100 call): a failure in a run of
-    apex-parallel's GPU tests with forked nccl ranks that timed out before it could say which."""
+    initializes it is torch's business. The one GPU run with every rank forked (session 42, an H100:
+    apex-parallel's, peer-memory's and nccl-allocator's tests) had one failure and timed out before
+    naming it, so whether forking was the cause is not known."""
     if backend != "gloo" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
