@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -20,14 +23,9 @@ def raises_on_one(rank: int, world: int):
 
 def environment(rank: int, world: int, names: list[str]):
     """The values of ``names`` in this rank's environment, and whether a test already ran in it."""
-    import os
-    import sys
-
     return {name: os.environ.get(name) for name in names}, "_apex_ranks_testing_ran" in sys.modules
 
 
 def mark_ran(rank: int, world: int):
-    import sys
-
     sys.modules["_apex_ranks_testing_ran"] = sys.modules[__name__]
     return rank
