@@ -1035,9 +1035,9 @@ def run_model(name: str, stacks: list[str], args, device: torch.device) -> Resul
     graphs = compiled_graph_count()
     for r in range(args.rounds):
         for variant in variants[r % len(variants) :] + variants[: r % len(variants)]:
-            start = time.time()
+            turn_start = time.time()
             variant.turn_ms.append(timed_steps_ms(variant, args.steps))
-            variant.turn_spans.append((start, time.time()))
+            variant.turn_spans.append((turn_start, time.time()))
             variant.release_grads()
     # The SM clock while the turns ran (the process's watch; none on the CPU): a GPU at its power limit
     # clocks down under sustained load, which the figures carry and one profiled step does not show.
