@@ -5,9 +5,6 @@ fast_bottleneck module; single-process halo exchanger semantics."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 from unittest import mock
 
@@ -16,6 +13,7 @@ import pytest
 import torch
 
 from apex.contrib.bottleneck import Bottleneck, FrozenBatchNorm2d, HaloExchangerNoComm, SpatialBottleneck, _block
+from apex.core.testing import wheel_files
 
 from ._reference import close, randomize, reference, reference_state
 
@@ -282,9 +280,6 @@ def test_torch_compile_fullgraph(device):
 
 
 def test_wheel_ships_the_legacy_module(tmp_path):
-    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(Path(__file__).parents[1])], check=True)
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    names = wheel_files(Path(__file__).parents[1], tmp_path)
     assert "fast_bottleneck.py" in names and "apex/contrib/bottleneck/halo_exchangers.py" in names
     assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)

@@ -3,9 +3,6 @@ received halos against its neighbours' sent ones, recomputed here from the seeds
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import nccl_p2p_cuda
@@ -13,7 +10,7 @@ import pytest
 import torch
 
 from apex.contrib import nccl_p2p
-from apex.core.testing import run_ranks
+from apex.core.testing import run_ranks, wheel_files
 
 from ._ranks import CASES, halo
 
@@ -126,10 +123,7 @@ def test_no_neighbours_zeroes_without_communicating():
 
 
 def test_wheel_ships_the_legacy_module(tmp_path):
-    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(PACKAGE)], check=True)
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    names = wheel_files(PACKAGE, tmp_path)
     assert "nccl_p2p_cuda.py" in names
     assert "apex/contrib/nccl_p2p/halo_exchange.py" in names
     assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)

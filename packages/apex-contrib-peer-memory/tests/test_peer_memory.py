@@ -3,9 +3,6 @@ slice of the all-gathered whole tensor around each rank's part; the legacy peer_
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import peer_memory_cuda
@@ -13,7 +10,7 @@ import pytest
 import torch
 
 from apex.contrib.peer_memory import PeerHaloExchanger1d
-from apex.core.testing import run_ranks
+from apex.core.testing import run_ranks, wheel_files
 
 RANKS = str(Path(__file__).with_name("_ranks.py"))
 PACKAGE = Path(__file__).parents[1]
@@ -99,10 +96,7 @@ def test_legacy_ipc_functions_explain_themselves(name):
 
 
 def test_wheel_ships_the_legacy_module(tmp_path):
-    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    subprocess.run([*pip_wheel, "-w", str(tmp_path), str(PACKAGE)], check=True)
-    (wheel,) = tmp_path.glob("*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    names = wheel_files(PACKAGE, tmp_path)
     assert "peer_memory_cuda.py" in names and "apex/contrib/peer_memory/peer_memory.py" in names
     assert not any(n.startswith("apex/__init__") or n == "apex/contrib/__init__.py" for n in names)
 

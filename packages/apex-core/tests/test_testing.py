@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from apex.core.testing import RankFailed, _rank_context, _transient_start, run_ranks
+from apex.core.testing import RankFailed, _rank_context, _transient_start, run_ranks, wheel_files
 
 RANKS = str(Path(__file__).with_name("_ranks_testing.py"))
 
@@ -62,3 +62,11 @@ MESH = "RuntimeError: Gloo connectFullMesh failed with [pair.cc:553] Connection 
 )
 def test_only_a_transient_start_is_retried(failures, phases, expected):
     assert _transient_start(failures, phases) is expected
+
+
+def test_wheel_files_skips_naming_a_missing_build_backend(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[build-system]\nbuild-backend = "no_such_backend_xyz.build"\n')
+    with pytest.raises(pytest.skip.Exception, match=r"'no_such_backend_xyz\.build' is not installed"):
+        wheel_files(project, tmp_path / "out")

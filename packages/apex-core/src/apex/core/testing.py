@@ -29,6 +29,10 @@ child process cannot import, so the child loads the file by path instead. With `
 CUDA modules whose ops are first used inside a CUDA graph capture (heuristic caches, the side
 stream) capture, and that the replay gives the eager result.
 
+``wheel_files(project, out)`` builds a package's wheel into ``out`` (no dependencies, no build
+isolation) and returns the names of its files; the test skips, naming the module, where the package's
+build backend is not installed (the GPU machine has no hatchling unless its wheel is carried there).
+
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
 """
@@ -164,6 +168,22 @@ def load_example(name: str, start: str | Path):
         if path.is_file():
             return _load(str(path))
     return None
+
+
+def wheel_files(project: str | Path, out: str | Path) -> list[str]:
+    """The file names in the wheel of the package at ``project`` (built into ``out``)."""
+    import tomllib
+    import zipfile
+
+    import pytest
+
+    backend = tomllib.loads((Path(project) / "pyproject.toml").read_text())["build-system"]["build-backend"]
+    if importlib.util.find_spec(backend.split(".")[0]) is None:
+        pytest.skip(f"the build backend {backend!r} is not installed")
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+    subprocess.run([*pip_wheel, str(project)], check=True)
+    (wheel,) = Path(out).glob("*.whl")
+    return zipfile.ZipFile(wheel).namelist()
 
 
 def _child(rank, world_size, backend, store_file, path, function, args, results, collective_timeout, env) -> None:
