@@ -11,7 +11,8 @@
 # always wanted. APEX_BENCH_GLOB picks benchmarks; APEX_GPU_BENCH=0 skips them, APEX_GPU_TESTS=0
 # the tests (a build for a later command's own selection of tests or runs). APEX_GPU_TEST_LIMIT=S
 # interrupts pytest after S seconds as Ctrl-C would: it still prints which tests failed and the
-# counts (a device call's own limit kills it before that summary).
+# counts (a device call's own limit kills it before that summary). The tests are those marked gpu or
+# multigpu (DESIGN.md's "GPU runs": CI runs the rest); a `-m` among the pytest args replaces that.
 set -uo pipefail
 OUT=$(mkdir -p "${1:?usage: tools/gpu_verify.sh OUTDIR [pytest args]}" && cd "$1" && pwd)
 shift
@@ -136,7 +137,8 @@ for line in "${order[@]}"; do folders+=("${line#* }"); done
 if [[ ${APEX_GPU_TESTS:-1} != 0 ]]; then
   limit=()
   [[ -n ${APEX_GPU_TEST_LIMIT:-} ]] && limit=(timeout -s INT -k 30 "$APEX_GPU_TEST_LIMIT")
-  "${limit[@]}" $PY -m pytest "${folders[@]}" -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" "$@" 2>&1 \
+  "${limit[@]}" $PY -m pytest "${folders[@]}" -p no:cacheprovider -q -rs --junitxml="$OUT/pytest.xml" \
+    -m "gpu or multigpu" "$@" 2>&1 \
     | tee "$OUT/pytest.log"
   [[ ${PIPESTATUS[0]} == 0 ]] || failed+=("pytest")
 fi
