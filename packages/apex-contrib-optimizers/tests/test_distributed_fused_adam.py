@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apex.contrib.optimizers import _distributed_adam_ops as ops
-from apex.core.testing import run_ranks
+from apex.core.testing import once_per_run, run_ranks
 
 from . import _dfa_ranks as R
 
@@ -24,16 +24,21 @@ FP16_TOL = dict(rtol=1e-3, atol=1e-5)
 TIMEOUT = 240
 
 
-@pytest.fixture(scope="module")
-def suite():
-    """Per world size (1, 2, 3), every rank's results of ``_dfa_ranks.suite_worker``: one set of
-    processes per world size. The state dict saved at 2 ranks is loaded at 1 and 3."""
+def _run_suite():
     results = {2: run_ranks(RANKS, "suite_worker", 2, timeout=TIMEOUT)}
     save = results[2][0]["save"]
     for world in (1, 3):
         args = ((save["saved"], save["saved_params"], 2),)
         results[world] = run_ranks(RANKS, "suite_worker", world, args=args, timeout=TIMEOUT)
     return results
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """Per world size (1, 2, 3), every rank's results of ``_dfa_ranks.suite_worker``: one set of
+    processes per world size, once per run (about 20 s on two CPU cores, a minute on a machine shared
+    by 14 xdist workers). The state dict saved at 2 ranks is loaded at 1 and 3."""
+    return once_per_run("distributed_fused_adam_suite", tmp_path_factory, _run_suite)
 
 
 @pytest.fixture(scope="module")
@@ -510,9 +515,13 @@ def test_ops_on_cuda_match_cpu(remainders):
 
 
 @pytest.fixture(scope="module", params=[1, pytest.param(2, marks=pytest.mark.multigpu)], ids=["1gpu", "2gpus"])
-def nccl_suite(request):
+def nccl_suite(request, tmp_path_factory):
     world = request.param
-    return world, run_ranks(RANKS, "nccl_suite_worker", world, backend="nccl", timeout=TIMEOUT)
+
+    def run():
+        return run_ranks(RANKS, "nccl_suite_worker", world, backend="nccl", timeout=TIMEOUT)
+
+    return world, once_per_run(f"distributed_fused_adam_nccl_suite_{world}", tmp_path_factory, run)
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-from apex.core.testing import RankFailed, _rank_context, _transient_start, run_ranks, wheel_files
+from apex.core.testing import RankFailed, _rank_context, _transient_start, once_per_run, run_ranks, wheel_files
 
 RANKS = str(Path(__file__).with_name("_ranks_testing.py"))
 
@@ -70,3 +70,27 @@ def test_wheel_files_skips_naming_a_missing_build_backend(tmp_path):
     (project / "pyproject.toml").write_text('[build-system]\nbuild-backend = "no_such_backend_xyz.build"\n')
     with pytest.raises(pytest.skip.Exception, match=r"'no_such_backend_xyz\.build' is not installed"):
         wheel_files(project, tmp_path / "out")
+
+
+class _Factory:
+    def __init__(self, base):
+        self.base = base
+
+    def getbasetemp(self):
+        return self.base
+
+
+def test_once_per_run_shares_one_result_among_xdist_workers(tmp_path, monkeypatch):
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"value": len(calls)}
+
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert [once_per_run("t", _Factory(tmp_path / "x"), compute)["value"] for _ in range(2)] == [1, 2]
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    (tmp_path / "run" / "popen-gw0").mkdir(parents=True)
+    (tmp_path / "run" / "popen-gw1").mkdir()
+    got = [once_per_run("t", _Factory(tmp_path / "run" / f"popen-gw{i}"), compute)["value"] for i in (0, 1, 0)]
+    assert got == [3, 3, 3] and len(calls) == 3

@@ -33,6 +33,11 @@ stream) capture, and that the replay gives the eager result.
 isolation) and returns the names of its files; the test skips, naming the module, where the package's
 build backend is not installed (the GPU machine has no hatchling unless its wheel is carried there).
 
+``once_per_run(name, tmp_path_factory, compute)`` returns ``compute()``, computed once per pytest run
+and shared (pickled, under a file lock) by the run's pytest-xdist workers: for a module-scoped fixture
+that starts ranks for a whole suite, which every worker drawing one of the module's tests would
+otherwise run again.
+
 ``load_example(name, start)`` loads ``examples/<name>.py`` of the source checkout that holds
 ``start`` (a test file's path), for tests of what the demo picks; None outside a checkout.
 """
@@ -168,6 +173,22 @@ def load_example(name: str, start: str | Path):
         if path.is_file():
             return _load(str(path))
     return None
+
+
+def once_per_run(name: str, tmp_path_factory, compute):
+    """``compute()``, once for all the xdist workers of this run (each worker alone without xdist)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return compute()
+    from filelock import FileLock  # a dependency of torch
+
+    # A worker's base temporary folder is <the run's>/popen-gwN: the parent is this run's alone.
+    path = tmp_path_factory.getbasetemp().parent / f"apex-once-{name}.pickle"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        path.write_bytes(pickle.dumps(value))
+        return value
 
 
 def wheel_files(project: str | Path, out: str | Path) -> list[str]:
