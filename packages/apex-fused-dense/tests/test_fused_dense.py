@@ -4,6 +4,10 @@ initialisation as nn.Linear, bad input naming the argument, opcheck, torch.compi
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,6 +27,7 @@ from apex.fused_dense import fused_dense as fused_dense_module
 from apex.fused_dense._plugin import KERNELS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CUBLASLT_EPILOGUE_GELU_AUX_BIAS = 32 | 128 | 4  # cublasLt.h: GELU | EPILOGUE_AUX | BIAS
 # Relative to the largest magnitude of the float64 result; the 16-bit results are rounded once per
 # GEMM (and the GELU's input and output once more), the float32 ones accumulate without TF32.
 TOL = {torch.float64: 1e-12, torch.float32: 3e-5, torch.float16: 6e-3, torch.bfloat16: 5e-2}
@@ -214,6 +219,71 @@ def test_cuda_graph_capture_is_the_side_streams_first_use():
         48,
         parameter_grads=False,
     )
+
+
+# A fresh process (the runner's measurements are per process): the GELU_AUX_BIAS GEMM of a problem large
+# enough to be tuned (m = n = 4096, k = 1024: 2^34, apex-core's kTuneMinVolume) called 60 times, with a
+# CUDA graph captured and replayed among the measured calls; every result as the first call's.
+_TUNE_CHILD = """
+import torch
+from apex.fused_dense import _ops
+if {deterministic}:
+    torch.use_deterministic_algorithms(True)
+g = torch.Generator(device="cuda").manual_seed(0)
+def randn(*shape, scale=1.0):
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
+x, w1, b1 = randn(4096, 1024), randn(4096, 1024, scale=1 / 32), randn(4096)
+w2, b2 = randn(64, 4096, scale=1 / 64), randn(64)
+first = [t.clone() for t in _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)]
+for i in range(60):
+    if i == 8:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+        graph.replay()
+        out = captured
+    else:
+        out = _ops.linear_gelu_linear_forward(x, w1, b1, w2, b2)
+    for name, a, b in zip(("output1", "output2", "gelu_in"), out, first):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=lambda m: f"call {{i}}, {{name}}: {{m}}")
+print("OK")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["default", "off", "deterministic"])
+def test_gelu_aux_gemm_algorithm_measured_in_the_first_calls(setting):
+    # apex-core's runner times the heuristic's candidates for the GELU_AUX_BIAS GEMM in the process's
+    # first calls of a problem (CUDA events, read once complete) and keeps the fastest; never under
+    # APEX_CUBLASLT_TUNE=none or deterministic algorithms.
+    env = {**os.environ, "APEX_CUBLASLT_TUNE_LOG": "1"}
+    env.pop("APEX_CUBLASLT_TUNE", None)
+    env.pop("APEX_CUBLASLT_DISABLE", None)
+    if setting == "off":
+        env["APEX_CUBLASLT_TUNE"] = "none"
+    code = _TUNE_CHILD.format(deterministic=setting == "deterministic")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stdout + done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("apex cublaslt tune:")]
+    if setting != "default":
+        assert lines == [], done.stderr
+        return
+    problem = f"epilogue {int(CUBLASLT_EPILOGUE_GELU_AUX_BIAS)} m 4096 n 4096 k 1024"
+    asked = [line for line in lines if problem in line and line.endswith("candidates")]
+    assert len(asked) == 1, done.stderr
+    count = int(asked[0].split(", ")[-1].split()[0])
+    assert count >= 1, done.stderr
+    decided = [line for line in lines if problem in line and "-> candidate" in line]
+    # One decision where there was a choice to make (none printed for a single candidate).
+    assert len(decided) == (1 if count > 1 else 0), done.stderr
+    if decided:
+        medians = decided[0].split("median us:")[1].split("->")[0].split()
+        assert len(medians) == count and all(float(m) > 0 for m in medians), decided[0]
 
 
 def test_gelu_forward_keeps_the_pre_activation(device):

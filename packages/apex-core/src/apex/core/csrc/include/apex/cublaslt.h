@@ -22,6 +22,17 @@
 // DRELU_BGRAD), gelu_aux (GELU_AUX_BIAS), dgelu (DGELU_BGRAD), dgelu_only (DGELU), bgradb (BGRADB);
 // "all" names every one.
 // (apex-mlp's _ops.py reads the same variables to know whether the DRELU epilogues are on.)
+//
+// Measured choice of algorithm (no host sync): for the epilogues named by APEX_CUBLASLT_TUNE (default
+// gelu_aux; "none" for none) and problems of at least kTuneMinVolume = m * n * k, the runner asks the
+// heuristic for up to kTuneCandidates algorithms, launches each in turn kTuneSamples times in the
+// process's first calls of that problem with CUDA events around it, reads the events once they have
+// completed (cudaEventQuery at later calls, never waiting) and from then on runs the candidate with the
+// lowest median, the heuristic's first unless another is at least 2% faster. Timed in the calls of the
+// real workload, not alone, as apex-fused-dense's NOTES found necessary. The candidates compute the
+// same product; results may differ in the last bits between them (the order of the accumulation),
+// so no tuning under torch.use_deterministic_algorithms, and none while the stream is being captured
+// (the graph gets the best choice so far). APEX_CUBLASLT_TUNE_LOG=1 prints each decision to stderr.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -30,8 +41,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -40,6 +53,7 @@
 #include <string>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 namespace apex::lt {
 // Internal linkage (an unnamed namespace): each package's library keeps its own copy of the runner
@@ -103,6 +117,11 @@ inline unsigned disabled() {
   return (kDefaultOff & ~named<0>("APEX_CUBLASLT_ENABLE")) | named<1>("APEX_CUBLASLT_DISABLE");
 }
 
+// The epilogues whose algorithm is chosen by timing (APEX_CUBLASLT_TUNE; unset: gelu_aux).
+inline unsigned tuned_epilogues() {
+  return std::getenv("APEX_CUBLASLT_TUNE") == nullptr ? kGeluAux : named<2>("APEX_CUBLASLT_TUNE");
+}
+
 inline unsigned bit(cublasLtEpilogue_t epilogue) {
   switch (epilogue) {
     case CUBLASLT_EPILOGUE_BIAS:
@@ -134,6 +153,15 @@ inline unsigned bit(cublasLtEpilogue_t epilogue) {
 inline bool epilogue_enabled(cublasLtEpilogue_t epilogue) {
   const unsigned b = detail::bit(epilogue);
   return b == 0 || (detail::disabled() & b) == 0;
+}
+
+constexpr int64_t kTuneMinVolume = int64_t{1} << 34;  // m * n * k: ~50 us of bf16 GEMM on an H100
+constexpr int kTuneCandidates = 6;
+constexpr int kTuneSamples = 5;
+
+inline bool epilogue_tuned(cublasLtEpilogue_t epilogue) {
+  const unsigned b = detail::bit(epilogue);
+  return b != 0 && (detail::tuned_epilogues() & b) != 0;
 }
 
 // The heuristic's algorithm for a problem, remembered per process: cublasLtMatmulAlgoGetHeuristic
@@ -175,6 +203,167 @@ bool cached_algo(const AlgoKey& key, cublasLtMatmulAlgo_t* algo, Query&& query) 
   cache.emplace(key, entry);
   *algo = entry.algo;
   return entry.found;
+}
+
+namespace detail {
+
+// One timed launch of a candidate: events recorded around it on the launch's stream (null: untimed).
+struct Sample {
+  int candidate = 0;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t end = nullptr;
+};
+
+inline void destroy(Sample& s) {
+  if (s.start != nullptr) cudaEventDestroy(s.start);
+  if (s.end != nullptr) cudaEventDestroy(s.end);
+  s.start = s.end = nullptr;
+}
+
+// The measurement of one problem's candidates (the heuristic's order; candidate 0 its first).
+struct Tuning {
+  // (cublasLtMatmulAlgo_t is a typedef of an unnamed struct: a std::vector of it crashes nvcc 13.0's
+  // front end, a vector of a named struct holding it does not)
+  std::vector<CachedAlgo> candidates;
+  std::vector<std::vector<float>> ms;  // completed samples per candidate; a refused launch: infinity
+  std::vector<Sample> pending;         // launched, in launch order
+  int launched = 0;
+  int chosen = -1;  // -1 while measuring
+  bool asked = false;
+};
+
+inline float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+inline bool tune_log() {
+  const char* text = std::getenv("APEX_CUBLASLT_TUNE_LOG");
+  return text != nullptr && text[0] != '\0' && text[0] != '0';
+}
+
+// Moves the completed samples' times into t.ms (never waits) and decides once every candidate has
+// kTuneSamples of them.
+inline void collect(Tuning& t, const AlgoKey& key) {
+  size_t done = 0;
+  for (; done < t.pending.size(); ++done) {
+    Sample& s = t.pending[done];
+    const cudaError_t status = cudaEventQuery(s.end);
+    if (status == cudaErrorNotReady) {
+      (void)cudaGetLastError();  // not an error: clear it, as ATen's CUDAEvent::query does
+      break;
+    }
+    float ms = std::numeric_limits<float>::infinity();
+    if (status != cudaSuccess || cudaEventElapsedTime(&ms, s.start, s.end) != cudaSuccess) {
+      (void)cudaGetLastError();
+      ms = std::numeric_limits<float>::infinity();
+    }
+    t.ms[s.candidate].push_back(ms);
+    destroy(s);
+  }
+  t.pending.erase(t.pending.begin(), t.pending.begin() + static_cast<std::ptrdiff_t>(done));
+  for (const auto& v : t.ms) {
+    if (static_cast<int>(v.size()) < kTuneSamples) return;
+  }
+  std::vector<float> medians;
+  for (const auto& v : t.ms) medians.push_back(median(v));
+  int best = static_cast<int>(std::min_element(medians.begin(), medians.end()) - medians.begin());
+  if (!(medians[best] < 0.98f * medians[0])) best = 0;
+  t.chosen = best;
+  if (tune_log()) {
+    std::fprintf(stderr, "apex cublaslt tune: epilogue %lld m %lld n %lld k %lld, median us:",
+                 static_cast<long long>(key[8]), static_cast<long long>(key[2]), static_cast<long long>(key[3]),
+                 static_cast<long long>(key[4]));
+    for (const float m : medians) std::fprintf(stderr, " %.1f", 1000.0 * m);
+    std::fprintf(stderr, " -> candidate %d\n", best);
+  }
+}
+
+struct TuningTable {
+  std::mutex mutex;
+  std::unordered_map<AlgoKey, Tuning, AlgoKeyHash> map;
+};
+
+// Never destroyed: its events must not outlive the CUDA context at the process's exit.
+inline TuningTable& tuning_table() {
+  static TuningTable* table = new TuningTable;
+  return *table;
+}
+
+}  // namespace detail
+
+// The candidate to launch for a tuned problem and, while measuring, the sample (its events created)
+// to time it with. `query(algos, max)` asks the heuristic for up to max algorithms (returns how many
+// it gave). Returns false where there is none.
+template <typename Query>
+bool tuned_algo(const AlgoKey& key, bool capturing, cublasLtMatmulAlgo_t* algo, detail::Sample* sample,
+                Query&& query) {
+  detail::TuningTable& table = detail::tuning_table();
+  const std::lock_guard<std::mutex> lock(table.mutex);
+  detail::Tuning& t = table.map[key];
+  if (!t.asked) {
+    t.asked = true;
+    cublasLtMatmulAlgo_t found[kTuneCandidates] = {};
+    const int count = query(found, kTuneCandidates);
+    for (int i = 0; i < count; ++i) t.candidates.push_back(CachedAlgo{true, found[i]});
+    t.ms.resize(t.candidates.size());
+    if (t.candidates.size() <= 1) t.chosen = 0;
+    if (detail::tune_log()) {
+      std::fprintf(stderr, "apex cublaslt tune: epilogue %lld m %lld n %lld k %lld, %d candidates\n",
+                   static_cast<long long>(key[8]), static_cast<long long>(key[2]), static_cast<long long>(key[3]),
+                   static_cast<long long>(key[4]), static_cast<int>(t.candidates.size()));
+    }
+  }
+  if (t.candidates.empty()) return false;
+  int index = t.chosen >= 0 ? t.chosen : 0;
+  if (t.chosen < 0 && !capturing) {
+    detail::collect(t, key);
+    const int n = static_cast<int>(t.candidates.size());
+    if (t.chosen >= 0) {
+      index = t.chosen;
+    } else if (t.launched < kTuneSamples * n) {
+      index = t.launched % n;
+      if (cudaEventCreate(&sample->start) == cudaSuccess && cudaEventCreate(&sample->end) == cudaSuccess) {
+        ++t.launched;
+      } else {
+        (void)cudaGetLastError();
+        detail::destroy(*sample);
+        index = 0;
+      }
+    }
+  }
+  sample->candidate = index;
+  *algo = t.candidates[index].algo;
+  return true;
+}
+
+// The heuristic's first algorithm of a tuned problem met before.
+inline bool tuned_first(const AlgoKey& key, cublasLtMatmulAlgo_t* algo) {
+  detail::TuningTable& table = detail::tuning_table();
+  const std::lock_guard<std::mutex> lock(table.mutex);
+  const auto it = table.map.find(key);
+  if (it == table.map.end() || it->second.candidates.empty()) return false;
+  *algo = it->second.candidates.front().algo;
+  return true;
+}
+
+// Hands a timed launch back: queued for reading (ok) or, where cuBLASLt refused the candidate, counted
+// as never the fastest.
+inline void tuned_launched(const AlgoKey& key, detail::Sample sample, bool ok) {
+  detail::TuningTable& table = detail::tuning_table();
+  const std::lock_guard<std::mutex> lock(table.mutex);
+  const auto it = table.map.find(key);
+  if (it == table.map.end()) {
+    detail::destroy(sample);
+    return;
+  }
+  detail::Tuning& t = it->second;
+  if (ok) {
+    t.pending.push_back(sample);
+  } else {
+    t.ms[sample.candidate].assign(kTuneSamples, std::numeric_limits<float>::infinity());
+    detail::destroy(sample);
+  }
 }
 
 
@@ -383,31 +572,61 @@ class Runner {
     if (!ok) return false;
 
     cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+    const bool tune = epilogue_tuned(g.epilogue) && static_cast<double>(g.m) * g.n * g.k >= kTuneMinVolume &&
+                      !at::globalContext().deterministicAlgorithms();
     const AlgoKey key = {g.transpose_a, g.transpose_b, g.m,       g.n,       g.k,
                          g.lda,         g.ldb,         g.ldd,     g.epilogue, ab_type,
                          d_type,        compute,       align_a,   align_b,   align_d,
-                         g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), 0};
-    cublasLtMatmulAlgo_t algo = {};
-    const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) {
-      cublasLtMatmulHeuristicResult_t heuristic = {};
+                         g.aux_ld,      g.beta != 0.0f, kWorkspaceBytes, device_.index(), tune};
+    // Up to `max` algorithms from the heuristic, best first; how many it gave.
+    auto ask = [&](cublasLtMatmulAlgo_t* out, int max) {
+      cublasLtMatmulHeuristicResult_t heuristic[kTuneCandidates] = {};
       int count = 0;
       if (cublasLtMatmulAlgoGetHeuristic(handle, desc.get(), layout_a.get(), layout_b.get(), layout_d.get(),
-                                         layout_d.get(), pref.get(), 1, &heuristic, &count) != CUBLAS_STATUS_SUCCESS ||
-          count == 0) {
-        return false;
+                                         layout_d.get(), pref.get(), std::min(max, kTuneCandidates), heuristic,
+                                         &count) != CUBLAS_STATUS_SUCCESS) {
+        return 0;
       }
-      *out = heuristic.algo;
-      return true;
-    });
-    if (!found) return false;
+      int kept = 0;
+      for (int i = 0; i < count; ++i) {
+        if (heuristic[i].state == CUBLAS_STATUS_SUCCESS) out[kept++] = heuristic[i].algo;
+      }
+      return kept;
+    };
+    const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream();
+    auto launch = [&](const cublasLtMatmulAlgo_t& algo) {
+      if (!workspace_.defined()) {
+        workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+      }
+      const float alpha = 1.0f;
+      return cublasLtMatmul(handle, desc.get(), &alpha, g.a, layout_a.get(), g.b, layout_b.get(), &g.beta, g.d,
+                            layout_d.get(), g.d, layout_d.get(), &algo, workspace_.data_ptr(), kWorkspaceBytes,
+                            stream) == CUBLAS_STATUS_SUCCESS;
+    };
 
-    if (!workspace_.defined()) {
-      workspace_ = at::empty({kWorkspaceBytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+    if (tune) {
+      cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+      const bool capturing = cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+                             capture != cudaStreamCaptureStatusNone;
+      cublasLtMatmulAlgo_t algo = {};
+      detail::Sample sample;
+      if (!tuned_algo(key, capturing, &algo, &sample, ask)) return false;
+      const bool timed = sample.start != nullptr;
+      if (timed) cudaEventRecord(sample.start, stream);
+      const bool ok = launch(algo);
+      if (timed) {
+        if (ok) cudaEventRecord(sample.end, stream);
+        tuned_launched(key, sample, ok);
+      }
+      if (ok || sample.candidate == 0) return ok;
+      // cuBLASLt refused another candidate (before queuing any work): the heuristic's first instead.
+      cublasLtMatmulAlgo_t first = {};
+      return tuned_first(key, &first) && launch(first);
     }
-    const float alpha = 1.0f;
-    return cublasLtMatmul(handle, desc.get(), &alpha, g.a, layout_a.get(), g.b, layout_b.get(), &g.beta, g.d,
-                          layout_d.get(), g.d, layout_d.get(), &algo, workspace_.data_ptr(), kWorkspaceBytes,
-                          c10::cuda::getCurrentCUDAStream()) == CUBLAS_STATUS_SUCCESS;
+
+    cublasLtMatmulAlgo_t algo = {};
+    const bool found = cached_algo(key, &algo, [&](cublasLtMatmulAlgo_t* out) { return ask(out, 1) > 0; });
+    return found && launch(algo);
   }
 
  private:
