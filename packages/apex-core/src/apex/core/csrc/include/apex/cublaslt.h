@@ -23,8 +23,8 @@
 // "all" names every one.
 // (apex-mlp's _ops.py reads the same variables to know whether the DRELU epilogues are on.)
 //
-// Measured choice of algorithm (no host sync): for the epilogues named by APEX_CUBLASLT_TUNE (default
-// gelu_aux; "none" for none) and problems of at least kTuneMinVolume = m * n * k, the runner asks the
+// Measured choice of algorithm (no host sync; off unless APEX_CUBLASLT_TUNE names epilogues, e.g.
+// gelu_aux): for those epilogues and problems of at least kTuneMinVolume = m * n * k, the runner asks the
 // heuristic for up to kTuneCandidates algorithms, launches each in turn kTuneSamples times in the
 // process's first calls of that problem with CUDA events around it, reads the events once they have
 // completed (cudaEventQuery at later calls, never waiting) and from then on runs the candidate with the
@@ -33,6 +33,9 @@
 // same product; results may differ in the last bits between them (the order of the accumulation),
 // so no tuning under torch.use_deterministic_algorithms, and none while the stream is being captured
 // (the graph gets the best choice so far). APEX_CUBLASLT_TUNE_LOG=1 prints each decision to stderr.
+// Aimed at GELU_AUX_BIAS, whose heuristic first choice timed 147-162 us at m=4096 n=8192 k=1024 where
+// another candidate took 120-130 (apex-fused-dense's NOTES); off by default until whole steps on a GPU
+// show it pays (profile_epilogues.py's "tune" variant, bench_e2e.py's apex-eager+APEX_CUBLASLT_TUNE=gelu_aux).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -117,10 +120,8 @@ inline unsigned disabled() {
   return (kDefaultOff & ~named<0>("APEX_CUBLASLT_ENABLE")) | named<1>("APEX_CUBLASLT_DISABLE");
 }
 
-// The epilogues whose algorithm is chosen by timing (APEX_CUBLASLT_TUNE; unset: gelu_aux).
-inline unsigned tuned_epilogues() {
-  return std::getenv("APEX_CUBLASLT_TUNE") == nullptr ? kGeluAux : named<2>("APEX_CUBLASLT_TUNE");
-}
+// The epilogues whose algorithm is chosen by timing (APEX_CUBLASLT_TUNE; unset: none).
+inline unsigned tuned_epilogues() { return named<2>("APEX_CUBLASLT_TUNE"); }
 
 inline unsigned bit(cublasLtEpilogue_t epilogue) {
   switch (epilogue) {
