@@ -14,6 +14,7 @@ from apex.fp16_utils import (
     FP16_Optimizer,
     FP16Model,
     LossScaler,
+    clip_grad_norm,
     convert_network,
     master_params_to_model_params,
     model_grads_to_master_grads,
@@ -110,6 +111,23 @@ def test_to_python_float():
     assert to_python_float(torch.tensor([2.5])) == 2.5
     assert to_python_float(torch.tensor(3.0)) == 3.0
     assert to_python_float([4.0]) == 4.0
+
+
+def test_clip_grad_norm_clips_in_place_as_torchs():
+    # Upstream exported torch's clip_grad_norm_ under its pre-0.4 name; master-weight loops call it.
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(4))]
+    for p in params:
+        p.grad = torch.randn_like(p) * 10
+    expected = [p.grad.clone() for p in params]
+    total = torch.linalg.vector_norm(torch.cat([g.flatten() for g in expected]))
+    norm = clip_grad_norm(params, max_norm=1.0)
+    torch.testing.assert_close(norm, total)
+    for p, g in zip(params, expected):
+        torch.testing.assert_close(p.grad, g * (1.0 / (float(total) + 1e-6)))
+    assert float(torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in params]))) == pytest.approx(
+        1.0, rel=1e-4
+    )
 
 
 def test_static_loss_scaler():

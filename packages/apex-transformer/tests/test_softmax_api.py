@@ -131,6 +131,53 @@ def test_functions(device):
         assert F.scaled_softmax(x.float(), 0.5).dtype == torch.bfloat16
 
 
+# upstream's autograd Functions ---------------------------------------------------------------------
+
+FUNCTIONS = {  # Function: (its arguments besides inputs, as a function of mask, the functional API's result)
+    "ScaledUpperTriangMaskedSoftmax": (
+        lambda mask: (),
+        lambda x, mask: F.scaled_upper_triang_masked_softmax(x, None, 0.25),
+    ),
+    "ScaledMaskedSoftmax": (lambda mask: (mask,), lambda x, mask: F.scaled_masked_softmax(x, mask, 0.25)),
+    "GenericScaledMaskedSoftmax": (
+        lambda mask: (mask,),
+        lambda x, mask: F.generic_scaled_masked_softmax(x, mask, 0.25),
+    ),
+    "ScaledSoftmax": (lambda mask: (), lambda x, mask: F.scaled_softmax(x, 0.25)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_autograd_functions_as_upstream_applied_them(device, name, dtype):
+    # forward(ctx, inputs, [mask,] scale) with upstream's layouts (the causal one 3-D), scale a number or a
+    # one-element tensor (Megatron-Core's torch.tensor([scale])[0]); values and gradients those of the
+    # functional API, and the incoming gradient left as it was.
+    extra, functional = FUNCTIONS[name]
+    function = getattr(F, name)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 9, device=device, dtype=dtype, requires_grad=True)
+    mask = torch.rand(2, 1, 9, 9, device=device) < 0.3
+    mask[0, 0, 4] = True  # a fully masked row
+    inputs = x.view(6, 9, 9) if name == "ScaledUpperTriangMaskedSoftmax" else x
+    for scale in (0.25, torch.tensor([0.25])[0]):
+        y = function.apply(inputs, *extra(mask), scale).view(2, 3, 9, 9)
+        expected = functional(x, mask)
+        assert torch.equal(y, expected)
+        dy = torch.randn_like(y)
+        before = dy.clone()
+        (grad,) = torch.autograd.grad(y, x, dy)
+        (expected_grad,) = torch.autograd.grad(expected, x, dy)
+        assert torch.equal(grad, expected_grad)
+        assert torch.equal(dy, before)
+    with pytest.raises(ValueError, match=f"{name}: inputs must be a {3 if 'Triang' in name else 4}-D tensor"):
+        function.apply(
+            x.view(-1, 9) if name == "ScaledUpperTriangMaskedSoftmax" else x.view(6, 9, 9), *extra(mask), 0.25
+        )
+    with pytest.raises(TypeError, match=f"{name}: scale must be a number"):
+        function.apply(inputs, *extra(mask), "0.25")
+
+
 # legacy modules ----------------------------------------------------------------------------------
 
 LEGACY = {  # module: (setup making x, y (the module's forward) and ref, the functional API as a function of x)

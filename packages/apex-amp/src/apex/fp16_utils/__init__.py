@@ -9,6 +9,7 @@ from apex.fp16_utils.fp16_optimizer import FP16_Optimizer
 from apex.fp16_utils.fp16util import (
     BN_convert_float,
     FP16Model,
+    clip_grad_norm,
     convert_module,
     convert_network,
     master_params_to_model_params,
@@ -26,6 +27,7 @@ __all__ = [
     "FP16Model",
     "FP16_Optimizer",
     "LossScaler",
+    "clip_grad_norm",
     "convert_module",
     "convert_network",
     "master_params_to_model_params",

@@ -144,6 +144,10 @@ def master_params_to_model_params(model_params, master_params, flat_master: bool
             model.copy_(master)
 
 
+# Upstream's name for torch's in-place gradient clipping (``clip_grad_norm`` on torch 0.4 and older).
+clip_grad_norm = torch.nn.utils.clip_grad_norm_
+
+
 def to_python_float(t) -> float:
     """A one-element tensor (or a number, or a sequence of one) as a Python number."""
     if hasattr(t, "item"):

@@ -15,6 +15,10 @@ Under ``torch.autocast`` the inputs are first cast to the autocast dtype, as ups
 math and the accepted shapes and dtypes are those of ``apex.transformer._softmax_ops``
 (float32 input is accepted too, where upstream's kernels took only float16 and bfloat16).
 
+The autograd Functions upstream applied (``ScaledUpperTriangMaskedSoftmax``, ``ScaledMaskedSoftmax``,
+``GenericScaledMaskedSoftmax``, ``ScaledSoftmax``) are here with upstream's ``forward`` arguments, for code
+that applies them itself.
+
 ``FusedScaleMaskSoftmax`` and ``GenericFusedScaleMaskSoftmax`` keep upstream's constructor
 checks and its rule for when the fused function runs and when the PyTorch path
 (``mask_func`` + ``torch.softmax``) does, so a model picks the same path for the same shapes.
@@ -109,6 +113,81 @@ def scaled_softmax(inputs, scale):
 def generic_scaled_masked_softmax(inputs, mask, scale):
     """As :func:`scaled_masked_softmax`, for any ``sk`` (upstream's separate long-row module)."""
     return _softmax(inputs, mask, scale, False)
+
+
+# Upstream's autograd Functions, which its functions above applied and which code written for it may apply
+# itself (``ScaledUpperTriangMaskedSoftmax.apply(inputs, scale)``): forward(ctx, inputs, [mask,] scale), the
+# input and layout rules of upstream's extension modules (the causal one 3-D [attn_batches, sq, sk], the
+# others 4-D), ``scale`` a number or a one-element tensor. The backward returns a new tensor (upstream's
+# wrote into the incoming gradient, which autograd may share with other consumers). No autocast cast:
+# upstream's functions did that before applying them.
+
+
+def _function_forward(ctx, module, inputs, mask, scale, causal, dims, layout):
+    _softmax_ops.legacy_dims(module, "inputs", inputs, dims, layout)
+    if mask is not None:
+        _softmax_ops.legacy_dims(module, "mask", mask, 4, _softmax_ops.MASK_LAYOUT)
+        mask = mask.contiguous()
+    scale = _softmax_ops.legacy_scale(module, scale)
+    output = _softmax_ops.scaled_softmax_forward(inputs.contiguous(), mask, scale, causal)
+    ctx.save_for_backward(output)
+    ctx.scale, ctx.causal = scale, causal
+    return output
+
+
+def _function_backward(ctx, output_grads):
+    (output,) = ctx.saved_tensors
+    return _softmax_ops.scaled_softmax_backward(output_grads.contiguous(), output, ctx.scale, ctx.causal)
+
+
+class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
+    """Causal softmax of ``scale * inputs``, ``inputs [attn_batches, sq, sk]`` with ``sq == sk``."""
+
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        return _function_forward(
+            ctx, "ScaledUpperTriangMaskedSoftmax", inputs, None, scale, True, 3, "[attn_batches, sq, sk]"
+        )
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        return _function_backward(ctx, output_grads), None
+
+
+class ScaledMaskedSoftmax(torch.autograd.Function):
+    """Softmax of ``scale * inputs [b, np, sq, sk]`` with the padding ``mask [b or 1, 1, sq, sk]``."""
+
+    @staticmethod
+    def forward(ctx, inputs, mask, scale):
+        return _function_forward(ctx, "ScaledMaskedSoftmax", inputs, mask, scale, False, 4, "[b, np, sq, sk]")
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        return _function_backward(ctx, output_grads), None, None
+
+
+class GenericScaledMaskedSoftmax(torch.autograd.Function):
+    """:class:`ScaledMaskedSoftmax` for any ``sk`` (upstream's separate kernel; ours is the same op)."""
+
+    @staticmethod
+    def forward(ctx, inputs, mask, scale):
+        return _function_forward(ctx, "GenericScaledMaskedSoftmax", inputs, mask, scale, False, 4, "[b, np, sq, sk]")
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        return _function_backward(ctx, output_grads), None, None
+
+
+class ScaledSoftmax(torch.autograd.Function):
+    """Softmax of ``scale * inputs [b, np, sq, sk]``, unmasked."""
+
+    @staticmethod
+    def forward(ctx, inputs, scale):
+        return _function_forward(ctx, "ScaledSoftmax", inputs, None, scale, False, 4, "[b, np, sq, sk]")
+
+    @staticmethod
+    def backward(ctx, output_grads):
+        return _function_backward(ctx, output_grads), None
 
 
 def get_batch_per_block(sq: int, sk: int, b: int, np: int) -> int:
@@ -250,6 +329,10 @@ class GenericFusedScaleMaskSoftmax(FusedScaleMaskSoftmax):
 __all__ = [
     "FusedScaleMaskSoftmax",
     "GenericFusedScaleMaskSoftmax",
+    "GenericScaledMaskedSoftmax",
+    "ScaledMaskedSoftmax",
+    "ScaledSoftmax",
+    "ScaledUpperTriangMaskedSoftmax",
     "generic_scaled_masked_softmax",
     "get_batch_per_block",
     "scaled_masked_softmax",
