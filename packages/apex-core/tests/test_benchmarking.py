@@ -103,6 +103,16 @@ def test_report_on_the_cpu_names_the_cpu_and_writes_the_file(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("# bench_x")
 
 
+def test_report_names_the_kernel_switches_set(monkeypatch):
+    from apex.core import cli
+
+    for name in cli.KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert not any("kernel switches" in line for line in report("bench_x", ["body"], cpu=True).splitlines())
+    monkeypatch.setenv("APEX_CUBLASLT_DISABLE", "all")
+    assert "- kernel switches set: APEX_CUBLASLT_DISABLE=all" in report("bench_x", ["body"], cpu=True).splitlines()
+
+
 def test_finish_reports_the_count_and_fails_on_any_fail_line(tmp_path, capsys):
     rows = [["1"]]
     assert finish("bench_y", ["a"], rows, ["PASS: p", "PASS: q"], out=tmp_path, cpu=True) == 0

@@ -79,6 +79,26 @@ def test_report_json():
     assert data["problems"] == []
 
 
+def test_report_names_the_kernel_switches_set(monkeypatch):
+    # The variables apex-core's CUDA headers read at every call (side stream, cuBLASLt epilogues and their
+    # tuning): a report says which are set, so a benchmark's report tells it did not run the defaults.
+    from apex.core import cli
+
+    for name in cli.KERNEL_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+    assert cli.kernel_switches() == "(defaults)"
+    monkeypatch.setenv("APEX_SIDE_STREAM", "0")
+    monkeypatch.setenv("APEX_CUBLASLT_TUNE", "gelu_aux")
+    assert cli.kernel_switches() == "APEX_SIDE_STREAM=0, APEX_CUBLASLT_TUNE=gelu_aux"
+    result = subprocess.run(
+        [sys.executable, "-m", "apex.core", "report", "--json"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        json.loads(result.stdout)["environment"]["kernel switches"] == "APEX_SIDE_STREAM=0, APEX_CUBLASLT_TUNE=gelu_aux"
+    )
+
+
 def test_report_and_list_text():
     report = _apex("report")
     assert report.returncode == 0 and "apex-core" in report.stdout and "core" in report.stdout

@@ -386,7 +386,8 @@ def report(
     The header: ``# name``; the device (``devices`` of them, with the NCCL version when more
     than one; the CPU and its thread count with ``cpu=True`` or where there is no GPU), torch
     and CUDA versions and the UTC time; the command line; the copy bandwidth measured in the
-    run, when given; then one bullet per note, and one on the SM clock while the GPU was busy where
+    run, when given; then one bullet per note, one naming the kernel switches set in the environment
+    (``apex.core.cli.KERNEL_SWITCHES``; none when all are unset), and one on the SM clock while the GPU was busy where
     the run watched it (:func:`watch_clocks`, started by :func:`require_cuda`). ``body`` (tables,
     verdicts) follows after a blank line. Returns the text.
     """
@@ -408,6 +409,11 @@ def report(
     if copy_gbps is not None:
         lines.append(f"- device copy bandwidth (D2D copy, bytes read + written): {copy_gbps:.0f} GB/s")
     lines += [f"- {note}" for note in notes]
+    from apex.core.cli import kernel_switches
+
+    switches = kernel_switches()
+    if switches != "(defaults)":  # a run that did not take the default kernels says so
+        lines.append(f"- kernel switches set: {switches}")
     clock = None if cpu else run_clock_note()
     if clock is not None:
         lines.append(f"- {clock}")

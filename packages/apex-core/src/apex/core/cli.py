@@ -10,6 +10,16 @@ import sys
 from apex.core import plugins
 from apex.core._version import __version__
 
+# The environment variables that change which kernels or epilogues run (apex-core's CUDA headers read them at
+# every call): a report names those set, so a benchmark's report says when it did not run the defaults.
+KERNEL_SWITCHES = ("APEX_SIDE_STREAM", "APEX_CUBLASLT_ENABLE", "APEX_CUBLASLT_DISABLE", "APEX_CUBLASLT_TUNE")
+
+
+def kernel_switches() -> str:
+    """``NAME=value`` of each kernel switch set in the environment, or ``(defaults)``."""
+    set_ = [f"{name}={os.environ[name]}" for name in KERNEL_SWITCHES if name in os.environ]
+    return ", ".join(set_) or "(defaults)"
+
 
 def _environment() -> dict:
     import torch
@@ -23,6 +33,7 @@ def _environment() -> dict:
         "python": sys.version.split()[0],
         "APEX_OPS": os.environ.get("APEX_OPS", "auto"),
         "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "(unset)"),
+        "kernel switches": kernel_switches(),
     }
     if torch.cuda.is_available():
         env["GPUs"] = ", ".join(
