@@ -166,16 +166,12 @@ class ScaledMaskedSoftmax(torch.autograd.Function):
         return _function_backward(ctx, output_grads), None, None
 
 
-class GenericScaledMaskedSoftmax(torch.autograd.Function):
+class GenericScaledMaskedSoftmax(ScaledMaskedSoftmax):
     """:class:`ScaledMaskedSoftmax` for any ``sk`` (upstream's separate kernel; ours is the same op)."""
 
     @staticmethod
     def forward(ctx, inputs, mask, scale):
         return _function_forward(ctx, "GenericScaledMaskedSoftmax", inputs, mask, scale, False, 4, "[b, np, sq, sk]")
-
-    @staticmethod
-    def backward(ctx, output_grads):
-        return _function_backward(ctx, output_grads), None, None
 
 
 class ScaledSoftmax(torch.autograd.Function):
