@@ -304,7 +304,6 @@ KERNEL_CU = """\
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -313,6 +312,8 @@ KERNEL_CU = """\
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -347,6 +348,10 @@ __global__ void __launch_bounds__(kThreads) scale_kernel(const T* x, T* out, flo
       block_x, block_out);
 }
 
+}  // namespace
+
+namespace ${namespace} {
+
 at::Tensor scale_cuda(const at::Tensor& x, double alpha) {
   namespace checks = apex::checks;
   TORCH_CHECK_TYPE(checks::contains(checks::kFloatDtypes, x.scalar_type()), kOp, ": x has dtype ",
@@ -367,10 +372,30 @@ at::Tensor scale_cuda(const at::Tensor& x, double alpha) {
   return out;
 }
 
-}  // namespace
+}  // namespace ${namespace}
+"""
+
+KERNEL_OPS_H = """\
+// The CUDA entry points of this package's ops: defined in the .cu files, registered in cuda_ops.cpp
+// (README, "An op": why registrations stay out of the .cu files).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+// scale.cu
+namespace ${namespace} {
+at::Tensor scale_cuda(const at::Tensor& x, double alpha);
+}  // namespace ${namespace}
+"""
+
+KERNEL_OPS_CPP = """\
+// The CUDA kernels of the ops declared in cuda_ops.h, registered for the CUDA dispatch key.
+#include <torch/library.h>
+
+#include "cuda_ops.h"
 
 TORCH_LIBRARY_IMPL(${namespace}, CUDA, m) {
-  m.impl("scale", &scale_cuda);
+  m.impl("scale", &${namespace}::scale_cuda);
 }
 """
 
@@ -677,6 +702,8 @@ def package_files(names: Names) -> dict[Path, str]:
     if kernels:
         files[Path("setup.py")] = render(SETUP_PY, names, setup_imports=import_block(setup_imports))
         files[pkg / "csrc" / "scale.cu"] = render(KERNEL_CU, names)
+        files[pkg / "csrc" / "cuda_ops.h"] = render(KERNEL_OPS_H, names)
+        files[pkg / "csrc" / "cuda_ops.cpp"] = render(KERNEL_OPS_CPP, names)
     return files
 
 

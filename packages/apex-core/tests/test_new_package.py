@@ -65,6 +65,8 @@ def test_the_packages_have_every_file_and_nothing_else(tree):
         f"{kernel_src}/_plugin.py",
         f"{kernel_src}/_ops.py",
         f"{kernel_src}/csrc/scale.cu",
+        f"{kernel_src}/csrc/cuda_ops.h",
+        f"{kernel_src}/csrc/cuda_ops.cpp",
         "tests/test_template_kernels.py",
         "benchmarks/bench_template_kernels.py",
     }
@@ -79,11 +81,18 @@ def test_the_packages_have_every_file_and_nothing_else(tree):
 
 
 def test_the_kernel_registers_the_op_for_cuda_with_the_shared_headers(tree):
-    source = (tree / "packages" / KERNEL["dist"] / "src/apex/template_kernels/csrc/scale.cu").read_text()
-    assert "TORCH_LIBRARY_IMPL(apex_template_kernels, CUDA, m)" in source
-    assert 'm.impl("scale", &scale_cuda)' in source
-    for needed in ("<apex/vectorized.cuh>", "CUDAGuard", "getCurrentCUDAStream()", "int64_t n"):
+    csrc = tree / "packages" / KERNEL["dist"] / "src/apex/template_kernels/csrc"
+    source = (csrc / "scale.cu").read_text()
+    # The .cu defines the entry point in the library's namespace; cuda_ops.cpp registers it (g++ only).
+    assert "torch/library.h" not in source and "TORCH_LIBRARY" not in source
+    assert "namespace apex_template_kernels {\n\nat::Tensor scale_cuda(" in source
+    for needed in ("<apex/vectorized.cuh>", "CUDAGuard", "getCurrentCUDAStream()", "int64_t n", '"cuda_ops.h"'):
         assert needed in source, needed
+    header = (csrc / "cuda_ops.h").read_text()
+    assert "at::Tensor scale_cuda(const at::Tensor& x, double alpha);" in header
+    registration = (csrc / "cuda_ops.cpp").read_text()
+    assert "TORCH_LIBRARY_IMPL(apex_template_kernels, CUDA, m)" in registration
+    assert 'm.impl("scale", &apex_template_kernels::scale_cuda)' in registration
 
 
 def test_the_packages_are_registered(tree):

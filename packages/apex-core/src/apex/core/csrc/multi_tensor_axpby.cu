@@ -2,12 +2,13 @@
 // argument (x, y or both, by arg_to_check) holds an inf or NaN. See apex/core/_ops.py.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <apex/checks.h>
 #include <apex/dispatch.h>
 #include <apex/multi_tensor_apply.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -51,6 +52,10 @@ struct AxpbyFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_core {
+
 void multi_tensor_axpby_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList x, at::TensorList y,
                              at::TensorList out, double a, double b, int64_t arg_to_check) {
   namespace checks = apex::checks;
@@ -81,8 +86,5 @@ void multi_tensor_axpby_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at
   });
 }
 
-}  // namespace
+}  // namespace apex_core
 
-TORCH_LIBRARY_IMPL(apex_core, CUDA, m) {
-  m.impl("multi_tensor_axpby", &multi_tensor_axpby_cuda);
-}

@@ -11,7 +11,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -24,6 +23,8 @@
 #include <apex/multi_tensor_apply.cuh>
 #include <apex/reductions.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -163,6 +164,10 @@ std::tuple<at::Tensor, at::Tensor> l2norm(const char* op, int64_t chunk_size, c1
   return {total, per};
 }
 
+}  // namespace
+
+namespace apex_core {
+
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(int64_t chunk_size, const at::Tensor& noop_flag,
                                                             at::TensorList inputs, bool per_tensor) {
   constexpr const char* op = "multi_tensor_l2norm";
@@ -191,9 +196,5 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_unscale_l2norm_cuda(int64_t chun
   return l2norm(op, chunk_size, device, noop_flag, inputs, outputs, inv_scale.data_ptr<float>(), per_tensor);
 }
 
-}  // namespace
+}  // namespace apex_core
 
-TORCH_LIBRARY_IMPL(apex_core, CUDA, m) {
-  m.impl("multi_tensor_l2norm", &multi_tensor_l2norm_cuda);
-  m.impl("multi_tensor_unscale_l2norm", &multi_tensor_unscale_l2norm_cuda);
-}

@@ -2,7 +2,6 @@
 // when any input holds an inf or NaN. See apex/core/_ops.py for the reference.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 
@@ -10,6 +9,8 @@
 #include <apex/dispatch.h>
 #include <apex/multi_tensor_apply.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -43,6 +44,10 @@ struct ScaleFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_core {
+
 void multi_tensor_scale_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList inputs,
                              at::TensorList outputs, double scale, const std::optional<at::Tensor>& scale_tensor) {
   namespace checks = apex::checks;
@@ -68,8 +73,5 @@ void multi_tensor_scale_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at
   });
 }
 
-}  // namespace
+}  // namespace apex_core
 
-TORCH_LIBRARY_IMPL(apex_core, CUDA, m) {
-  m.impl("multi_tensor_scale", &multi_tensor_scale_cuda);
-}

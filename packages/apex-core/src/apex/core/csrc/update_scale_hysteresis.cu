@@ -8,11 +8,12 @@
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 
 #include <apex/checks.h>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -32,6 +33,10 @@ __global__ void update_scale_hysteresis_kernel(float* current_scale, int* growth
   *growth_tracker = found || grow ? 0 : successes;
   *hysteresis_tracker = found ? hysteresis_left : hysteresis;
 }
+
+}  // namespace
+
+namespace apex_core {
 
 void update_scale_hysteresis_cuda(const at::Tensor& current_scale, const at::Tensor& growth_tracker,
                                   const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
@@ -58,8 +63,5 @@ void update_scale_hysteresis_cuda(const at::Tensor& current_scale, const at::Ten
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-}  // namespace
+}  // namespace apex_core
 
-TORCH_LIBRARY_IMPL(apex_core, CUDA, m) {
-  m.impl("update_scale_hysteresis", &update_scale_hysteresis_cuda);
-}

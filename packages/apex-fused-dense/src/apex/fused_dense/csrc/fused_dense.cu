@@ -15,7 +15,6 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/accumulate.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <array>
@@ -28,6 +27,8 @@
 #include <apex/checks.h>
 #include <apex/cublaslt.h>
 #include <apex/side_stream.h>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -156,6 +157,10 @@ void check_bias(const char* op, const char* name, const at::Tensor& bias, const 
   check_size(op, name, bias, 0, weight.size(0), "out features");
 }
 
+}  // namespace
+
+namespace apex_fused_dense {
+
 at::Tensor linear_forward_cuda(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias) {
   constexpr const char* kOp = "linear_forward";
@@ -191,12 +196,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Te
   return {d_input, d_weight, d_bias};
 }
 
+}  // namespace apex_fused_dense
+
+namespace {
+
 void check_gelu_layers(const char* op, const at::Tensor& input, const at::Tensor& weight1, const at::Tensor& weight2) {
   check_linear(op, input, weight1);
   check_like(op, "weight2", weight2, "input", input);
   check_ndim(op, "weight2", weight2, 2);
   check_size(op, "weight2", weight2, 1, weight1.size(0), "weight1.size(0)");
 }
+
+}  // namespace
+
+namespace apex_fused_dense {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_linear_forward_cuda(const at::Tensor& input,
                                                                                const at::Tensor& weight1,
@@ -226,8 +239,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_gelu_linear_forward_cuda(c
   return {output1, output2, gelu_in};
 }
 
+}  // namespace apex_fused_dense
+
+namespace {
+
 // The widest second layer (out_features) for which the backward asks cuBLASLt for the DGELU epilogue.
 constexpr int64_t kDGeluEpilogueMaxWidth = 1024;
+
+}  // namespace
+
+namespace apex_fused_dense {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_gelu_linear_backward_cuda(
     const at::Tensor& input, const at::Tensor& gelu_in, const at::Tensor& output1, const at::Tensor& weight1,
@@ -307,6 +328,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_ge
   return {d_input, d_weight1, d_bias1, d_weight2, d_bias2};
 }
 
+}  // namespace apex_fused_dense
+
+namespace {
+
 // Megatron's tensors may be [s, b, h]: the leading dimensions are the GEMM's reduction dimension.
 at::Tensor as_rows(const at::Tensor& t) {
   at::Tensor rows = t.reshape({-1, t.size(-1)});
@@ -355,6 +380,10 @@ void wgrad_gemm_accum(const char* op, const at::Tensor& input, const at::Tensor&
   weight_grad(lt, as_rows(input), as_rows(d_output), accumulator, nullptr, 1.0f);
 }
 
+}  // namespace
+
+namespace apex_fused_dense {
+
 void wgrad_gemm_accum_fp32_cuda(const at::Tensor& input, const at::Tensor& d_output, const at::Tensor& main_grad) {
   wgrad_gemm_accum("wgrad_gemm_accum_fp32", input, d_output, main_grad, true);
 }
@@ -363,13 +392,5 @@ void wgrad_gemm_accum_fp16_cuda(const at::Tensor& input, const at::Tensor& d_out
   wgrad_gemm_accum("wgrad_gemm_accum_fp16", input, d_output, main_grad, false);
 }
 
-}  // namespace
+}  // namespace apex_fused_dense
 
-TORCH_LIBRARY_IMPL(apex_fused_dense, CUDA, m) {
-  m.impl("linear_forward", &linear_forward_cuda);
-  m.impl("linear_backward", &linear_backward_cuda);
-  m.impl("linear_gelu_linear_forward", &linear_gelu_linear_forward_cuda);
-  m.impl("linear_gelu_linear_backward", &linear_gelu_linear_backward_cuda);
-  m.impl("wgrad_gemm_accum_fp32", &wgrad_gemm_accum_fp32_cuda);
-  m.impl("wgrad_gemm_accum_fp16", &wgrad_gemm_accum_fp16_cuda);
-}

@@ -23,7 +23,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +36,8 @@
 #include <apex/launch.cuh>
 #include <apex/side_stream.h>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -209,6 +210,10 @@ at::Tensor activation_backward(const at::Tensor& dy, const at::Tensor& y, int64_
 // ---------------------------------------------------------------------------------------------
 // The ops
 
+}  // namespace
+
+namespace apex_mlp {
+
 std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList weights, at::TensorList biases,
                                          int64_t activation, bool relu_masks) {
   constexpr const char* kOp = "mlp_forward";
@@ -377,9 +382,5 @@ std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const a
   return grads;
 }
 
-}  // namespace
+}  // namespace apex_mlp
 
-TORCH_LIBRARY_IMPL(apex_mlp, CUDA, m) {
-  m.impl("mlp_forward", &mlp_forward_cuda);
-  m.impl("mlp_backward", &mlp_backward_cuda);
-}

@@ -22,7 +22,6 @@
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cooperative_groups.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -31,6 +30,7 @@
 
 #include "norm_backward.cuh"
 #include "norm_float64.h"
+#include "cuda_ops.h"
 
 namespace apex_normalization {
 namespace {
@@ -599,6 +599,8 @@ bool backward_registers(const BackwardArgs& a) {
   return true;
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& saved, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
@@ -699,8 +701,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
   return {grad_input, grad_weight, grad_bias};
 }
 
-}  // namespace
-
 void sum_partials(const at::Tensor& partial_weight, const at::Tensor* partial_bias, at::Tensor& grad_weight,
                   at::Tensor* grad_bias) {
   const int64_t parts = partial_weight.size(0);
@@ -722,6 +722,3 @@ void sum_partials(const at::Tensor& partial_weight, const at::Tensor* partial_bi
 
 }  // namespace apex_normalization
 
-TORCH_LIBRARY_IMPL(apex_normalization, CUDA, m) {
-  m.impl("norm_backward", &apex_normalization::norm_backward_cuda);
-}

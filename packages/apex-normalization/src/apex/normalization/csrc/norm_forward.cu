@@ -16,7 +16,6 @@
 //   (from L2 at these sizes).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <optional>
@@ -25,6 +24,7 @@
 
 #include "norm_common.cuh"
 #include "norm_float64.h"
+#include "cuda_ops.h"
 
 namespace apex_normalization {
 namespace {
@@ -591,6 +591,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward(
   return {output, residual_out, mean, rstd};
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     c10::SymIntArrayRef normalized_shape, double eps, bool rms, bool /*memory_efficient: autograd's*/,
@@ -606,10 +608,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> add_norm_forward_cuda
   return forward("add_norm_forward", input, residual, weight, bias, normalized_shape, eps, rms, output_dtype);
 }
 
-}  // namespace
 }  // namespace apex_normalization
 
-TORCH_LIBRARY_IMPL(apex_normalization, CUDA, m) {
-  m.impl("norm_forward", &apex_normalization::norm_forward_cuda);
-  m.impl("add_norm_forward", &apex_normalization::add_norm_forward_cuda);
-}

@@ -4,7 +4,6 @@
 // and sum; write parameter and sum.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <type_traits>
@@ -15,6 +14,7 @@
 #include <apex/vectorized.cuh>
 
 #include "optimizer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -76,6 +76,10 @@ struct AdagradFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_optimizers {
+
 void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList state_sums,
                         at::TensorList master_params, double lr, double eps, double weight_decay, bool adagrad_w_mode,
                         const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
@@ -101,8 +105,5 @@ void fused_adagrad_cuda(int64_t chunk_size, at::TensorList params, at::TensorLis
                                                       state_sums);
 }
 
-}  // namespace
+}  // namespace apex_optimizers
 
-TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
-  m.impl("fused_adagrad", &fused_adagrad_cuda);
-}

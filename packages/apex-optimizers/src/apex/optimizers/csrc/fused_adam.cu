@@ -10,7 +10,6 @@
 // bias corrections, decay) are worked out once per block.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
@@ -22,6 +21,7 @@
 #include <apex/vectorized.cuh>
 
 #include "optimizer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -117,6 +117,10 @@ struct AdamFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_optimizers {
+
 void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList master_params, double lr, int64_t step, double beta1,
                      double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction,
@@ -163,8 +167,5 @@ void fused_adam_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
                                                    exp_avg_sqs);
 }
 
-}  // namespace
+}  // namespace apex_optimizers
 
-TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
-  m.impl("fused_adam", &fused_adam_cuda);
-}

@@ -14,7 +14,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -30,6 +29,7 @@
 #include <apex/vectorized.cuh>
 
 #include "optimizer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -203,6 +203,10 @@ struct LambApplyFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_optimizers {
+
 void fused_lamb_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList master_params, const at::Tensor& global_grad_norm,
                      double lr, int64_t step, double beta1, double beta2, double eps, double weight_decay,
@@ -309,8 +313,5 @@ void fused_lamb_cuda(int64_t chunk_size, at::TensorList params, at::TensorList g
   });
 }
 
-}  // namespace
+}  // namespace apex_optimizers
 
-TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
-  m.impl("fused_lamb", &fused_lamb_cuda);
-}

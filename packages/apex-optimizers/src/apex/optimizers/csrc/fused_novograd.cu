@@ -10,7 +10,6 @@
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <optional>
@@ -22,6 +21,7 @@
 #include <apex/vectorized.cuh>
 
 #include "optimizer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -118,6 +118,10 @@ void check_per_tensor(const char* name, const at::Tensor& t, size_t n_tensors, s
   TORCH_CHECK_VALUE(!device || t.device() == *device, kOp, ": ", name, " is on ", t.device(), ", expected ", *device);
 }
 
+}  // namespace
+
+namespace apex_optimizers {
+
 void fused_novograd_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                          const at::Tensor& exp_avg_sq_norms, const at::Tensor& grad_norms,
                          at::TensorList master_params, double lr, int64_t step, double beta1, double beta2, double eps,
@@ -167,8 +171,5 @@ void fused_novograd_cuda(int64_t chunk_size, at::TensorList params, at::TensorLi
                                                        exp_avgs);
 }
 
-}  // namespace
+}  // namespace apex_optimizers
 
-TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
-  m.impl("fused_novograd", &fused_novograd_cuda);
-}

@@ -6,7 +6,6 @@
 // bytes per fp32 parameter); without, the buffers are not touched (12 bytes).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <type_traits>
@@ -17,6 +16,7 @@
 #include <apex/vectorized.cuh>
 
 #include "optimizer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -97,6 +97,10 @@ struct SgdFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_optimizers {
+
 void fused_sgd_cuda(int64_t chunk_size, at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, double lr, double weight_decay, double momentum, double dampening,
                     bool nesterov, bool first_run, bool wd_after_momentum, const std::optional<at::Tensor>& lr_tensor,
@@ -155,8 +159,5 @@ void fused_sgd_cuda(int64_t chunk_size, at::TensorList params, at::TensorList gr
       });
 }
 
-}  // namespace
+}  // namespace apex_optimizers
 
-TORCH_LIBRARY_IMPL(apex_optimizers, CUDA, m) {
-  m.impl("fused_sgd", &fused_sgd_cuda);
-}

@@ -9,12 +9,12 @@
 // - relu_backward_c_last: dy masked where the recomputed pre-activation bn(x) + z <= 0.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
 #include "syncbn_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_parallel {
 namespace {
@@ -319,6 +319,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> sums_of(ReduceResult 
   return {std::move(std::get<0>(r)), std::move(std::get<1>(r)), std::move(std::get<2>(r)), std::move(std::get<3>(r))};
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_cuda(const at::Tensor& grad_output,
                                                                           const at::Tensor& input,
                                                                           const at::Tensor& mean,
@@ -339,6 +341,8 @@ ReduceResult reduce_bn_relu_c_last_cuda(const at::Tensor& grad_output, const at:
                                         const std::optional<at::Tensor>& bias, bool masked) {
   return reduce("reduce_bn_relu_c_last", grad_output, input, mean, invstd, weight, true, true, z, bias, masked);
 }
+
+namespace {
 
 // batch_norm_backward -------------------------------------------------------------------------
 
@@ -550,6 +554,8 @@ std::tuple<at::Tensor, at::Tensor> backward(const char* op, const at::Tensor& gr
   return {grad_input, grad_z};
 }
 
+}  // namespace
+
 at::Tensor batch_norm_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& mean,
                                     const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                                     const at::Tensor& sum_dy, const at::Tensor& sum_dy_xmu, const at::Tensor& count) {
@@ -573,6 +579,8 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_backward_relu_c_last_cuda(
   return backward("batch_norm_backward_relu_c_last", grad_output, input, mean, invstd, weight, sum_dy, sum_dy_xmu,
                   count, true, true, z, bias, grad_z);
 }
+
+namespace {
 
 // relu_backward_c_last ------------------------------------------------------------------------
 
@@ -609,6 +617,8 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+}  // namespace
+
 at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Tensor& input,
                                      const std::optional<at::Tensor>& z, const at::Tensor& mean,
                                      const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
@@ -644,15 +654,5 @@ at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Te
   return grad;
 }
 
-}  // namespace
 }  // namespace apex_parallel
 
-TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
-  m.impl("reduce_bn", &apex_parallel::reduce_bn_cuda);
-  m.impl("reduce_bn_c_last", &apex_parallel::reduce_bn_c_last_cuda);
-  m.impl("batch_norm_backward", &apex_parallel::batch_norm_backward_cuda);
-  m.impl("batch_norm_backward_c_last", &apex_parallel::batch_norm_backward_c_last_cuda);
-  m.impl("relu_backward_c_last", &apex_parallel::relu_backward_c_last_cuda);
-  m.impl("reduce_bn_relu_c_last", &apex_parallel::reduce_bn_relu_c_last_cuda);
-  m.impl("batch_norm_backward_relu_c_last", &apex_parallel::batch_norm_backward_relu_c_last_cuda);
-}

@@ -7,11 +7,11 @@
 // each thread owns V channels for all its rows and keeps their scale and shift in registers.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 
 #include "syncbn_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_parallel {
 namespace {
@@ -149,6 +149,8 @@ at::Tensor forward(const char* op, const at::Tensor& input, const std::optional<
   return output;
 }
 
+}  // namespace
+
 at::Tensor batch_norm_forward_cuda(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
                                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias) {
   return forward("batch_norm_forward", input, std::nullopt, mean, invstd, weight, bias, false, false);
@@ -161,10 +163,5 @@ at::Tensor batch_norm_forward_c_last_cuda(const at::Tensor& input, const std::op
   return forward("batch_norm_forward_c_last", input, z, mean, invstd, weight, bias, fuse_relu, true);
 }
 
-}  // namespace
 }  // namespace apex_parallel
 
-TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
-  m.impl("batch_norm_forward", &apex_parallel::batch_norm_forward_cuda);
-  m.impl("batch_norm_forward_c_last", &apex_parallel::batch_norm_forward_c_last_cuda);
-}

@@ -11,12 +11,12 @@
 // [chunks, C] and a second kernel that merges them in chunk order.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <optional>
 #include <tuple>
 
 #include "syncbn_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_parallel {
 namespace {
@@ -289,6 +289,8 @@ std::tuple<at::Tensor, at::Tensor> welford(const char* op, const at::Tensor& inp
   return {mean, var};
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input) {
   return welford("welford_mean_var", input, false);
 }
@@ -296,6 +298,8 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_c_last_cuda(const at::Tensor& input) {
   return welford("welford_mean_var_c_last", input, true);
 }
+
+namespace {
 
 // welford_parallel ---------------------------------------------------------------------------
 
@@ -322,6 +326,8 @@ __global__ void welford_parallel_kernel(const A* __restrict__ mean, int64_t mean
     running_var[c] = static_cast<R>(static_cast<A>(running_var[c]) * (A(1) - momentum) + unbiased * momentum);
   }
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean, const at::Tensor& var_biased,
                                                          const at::Tensor& count, double eps,
@@ -399,11 +405,5 @@ std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean,
   return {merged, invstd};
 }
 
-}  // namespace
 }  // namespace apex_parallel
 
-TORCH_LIBRARY_IMPL(apex_parallel, CUDA, m) {
-  m.impl("welford_mean_var", &apex_parallel::welford_mean_var_cuda);
-  m.impl("welford_mean_var_c_last", &apex_parallel::welford_mean_var_c_last_cuda);
-  m.impl("welford_parallel", &apex_parallel::welford_parallel_cuda);
-}

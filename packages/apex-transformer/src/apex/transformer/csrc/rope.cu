@@ -26,7 +26,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +36,8 @@
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace apex_transformer {
 namespace {
@@ -444,6 +445,8 @@ at::Tensor sequence_output(const at::Tensor& input, bool transpose_output) {
   return at::empty(input.sizes(), input.options());
 }
 
+}  // namespace
+
 at::Tensor rope_cuda(const at::Tensor& input, const at::Tensor& freqs, bool transpose_output, bool backward) {
   const char* op = "rope";
   check_input(op, input, 4, "[s, b, h, d]");
@@ -581,12 +584,5 @@ at::Tensor rope_2d_cuda(const at::Tensor& input, const at::Tensor& cos_h, const 
   return output;
 }
 
-}  // namespace
 }  // namespace apex_transformer
 
-TORCH_LIBRARY_IMPL(apex_transformer, CUDA, m) {
-  m.impl("rope", &apex_transformer::rope_cuda);
-  m.impl("rope_cached", &apex_transformer::rope_cached_cuda);
-  m.impl("rope_thd", &apex_transformer::rope_thd_cuda);
-  m.impl("rope_2d", &apex_transformer::rope_2d_cuda);
-}

@@ -2,9 +2,9 @@
 // modules do): dx = scale * y * (dy - sum(dy * y)) over the last dimension, fp32 math, reading y
 // and dy once. Causal: only the elements j <= i of row i are read (the rest of y is zero in a
 // causal softmax output); the others are written as 0. Kernel shapes: softmax_common.cuh.
-#include <torch/library.h>
 
 #include "softmax_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_transformer::softmax {
 namespace {
@@ -188,6 +188,8 @@ void backward_into(const char* op, const at::Tensor& grad_input, const at::Tenso
   });
 }
 
+}  // namespace
+
 at::Tensor scaled_softmax_backward_cuda(const at::Tensor& grad_output, const at::Tensor& output, double scale,
                                         bool causal) {
   const char* op = "scaled_softmax_backward";
@@ -206,10 +208,5 @@ void scaled_softmax_backward_inplace_cuda(const at::Tensor& grad_output, const a
   backward_into(op, grad_output, grad_output, output, scale, causal);
 }
 
-}  // namespace
 }  // namespace apex_transformer::softmax
 
-TORCH_LIBRARY_IMPL(apex_transformer, CUDA, m) {
-  m.impl("scaled_softmax_backward", &apex_transformer::softmax::scaled_softmax_backward_cuda);
-  m.impl("scaled_softmax_backward_", &apex_transformer::softmax::scaled_softmax_backward_inplace_cuda);
-}

@@ -3,12 +3,12 @@
 // those elements are neither read nor exponentiated, only written as 0); or a padding mask of
 // shape [b or 1, 1, sq, sk] (nonzero = masked: score -10000, upstream's; a row with every
 // element masked gives 0). Kernel shapes: softmax_common.cuh.
-#include <torch/library.h>
 
 #include <cmath>
 #include <type_traits>
 
 #include "softmax_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_transformer::softmax {
 namespace {
@@ -433,6 +433,8 @@ uint32_t sentinel_bits(bool negative_scale) {
   }
 }
 
+}  // namespace
+
 at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const std::optional<at::Tensor>& mask,
                                        double scale, bool causal) {
   const char* op = "scaled_softmax_forward";
@@ -484,9 +486,5 @@ at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const st
   return output;
 }
 
-}  // namespace
 }  // namespace apex_transformer::softmax
 
-TORCH_LIBRARY_IMPL(apex_transformer, CUDA, m) {
-  m.impl("scaled_softmax_forward", &apex_transformer::softmax::scaled_softmax_forward_cuda);
-}

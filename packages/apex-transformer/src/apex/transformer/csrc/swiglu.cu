@@ -13,7 +13,6 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -22,6 +21,8 @@
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace apex_transformer {
 namespace {
@@ -155,6 +156,8 @@ void launch(int64_t rows, int64_t half, bool aligned, Launch&& run) {
   }
 }
 
+}  // namespace
+
 at::Tensor swiglu_cuda(const at::Tensor& input) {
   const char* op = "swiglu";
   const int64_t half = check_input(op, input);
@@ -207,10 +210,5 @@ at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor&
   return grad_input;
 }
 
-}  // namespace
 }  // namespace apex_transformer
 
-TORCH_LIBRARY_IMPL(apex_transformer, CUDA, m) {
-  m.impl("swiglu", &apex_transformer::swiglu_cuda);
-  m.impl("swiglu_backward", &apex_transformer::swiglu_backward_cuda);
-}

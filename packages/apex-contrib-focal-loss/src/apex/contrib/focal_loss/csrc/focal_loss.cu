@@ -15,7 +15,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +27,8 @@
 #include <apex/launch.cuh>
 #include <apex/reductions.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -265,6 +266,10 @@ unsigned int grid_for(const void* kernel, int64_t work_items) {
   return static_cast<unsigned int>(std::max<int64_t>(1, std::min(full, apex::ceil_div(work_items, kThreads))));
 }
 
+}  // namespace
+
+namespace apex_contrib_focal_loss {
+
 std::tuple<at::Tensor, at::Tensor> focal_loss_forward_cuda(const at::Tensor& cls_output,
                                                            const at::Tensor& cls_targets_at_level,
                                                            const at::Tensor& num_positives_sum,
@@ -304,6 +309,10 @@ std::tuple<at::Tensor, at::Tensor> focal_loss_forward_cuda(const at::Tensor& cls
   return {loss, partial_grad};
 }
 
+}  // namespace apex_contrib_focal_loss
+
+namespace {
+
 void launch_backward(const char* op, const at::Tensor& out, const at::Tensor& grad_output,
                      const at::Tensor& partial_grad, const at::Tensor& num_positives_sum) {
   const int64_t numel = partial_grad.numel();
@@ -321,6 +330,10 @@ void launch_backward(const char* op, const at::Tensor& out, const at::Tensor& gr
     });
   });
 }
+
+}  // namespace
+
+namespace apex_contrib_focal_loss {
 
 at::Tensor focal_loss_backward_cuda(const at::Tensor& grad_output, const at::Tensor& partial_grad,
                                     const at::Tensor& num_positives_sum) {
@@ -340,10 +353,5 @@ void focal_loss_backward_inplace_cuda(const at::Tensor& partial_grad, const at::
   launch_backward(kOp, partial_grad, grad_output, partial_grad, num_positives_sum);
 }
 
-}  // namespace
+}  // namespace apex_contrib_focal_loss
 
-TORCH_LIBRARY_IMPL(apex_contrib_focal_loss, CUDA, m) {
-  m.impl("focal_loss_forward", &focal_loss_forward_cuda);
-  m.impl("focal_loss_backward", &focal_loss_backward_cuda);
-  m.impl("focal_loss_backward_", &focal_loss_backward_inplace_cuda);
-}

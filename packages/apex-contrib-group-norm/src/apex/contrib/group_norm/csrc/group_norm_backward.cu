@@ -12,11 +12,11 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
-#include <torch/library.h>
 
 #include <tuple>
 
 #include "group_norm_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_contrib_group_norm {
 namespace {
@@ -244,6 +244,8 @@ at::Tensor param_grad(const at::Tensor& x, const std::optional<at::Tensor>& para
   return kernels_run ? at::empty_like(*param) : at::zeros_like(*param);
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd, int64_t num_groups,
@@ -303,9 +305,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
   return {dx, dweight, dbias};
 }
 
-}  // namespace
 }  // namespace apex_contrib_group_norm
 
-TORCH_LIBRARY_IMPL(apex_contrib_group_norm, CUDA, m) {
-  m.impl("group_norm_backward", &apex_contrib_group_norm::group_norm_backward_cuda);
-}

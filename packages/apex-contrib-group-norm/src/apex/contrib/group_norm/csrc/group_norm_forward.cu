@@ -11,12 +11,12 @@
 //      Diffusion's sizes) and y written once.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
 
 #include "group_norm_common.cuh"
+#include "cuda_ops.h"
 
 namespace apex_contrib_group_norm {
 namespace {
@@ -152,6 +152,8 @@ const W* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? t->const_data_ptr<W>() : nullptr;
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(const at::Tensor& x,
                                                                         const std::optional<at::Tensor>& weight,
                                                                         const std::optional<at::Tensor>& bias,
@@ -197,9 +199,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(const at:
   return {y, mean, rstd};
 }
 
-}  // namespace
 }  // namespace apex_contrib_group_norm
 
-TORCH_LIBRARY_IMPL(apex_contrib_group_norm, CUDA, m) {
-  m.impl("group_norm_forward", &apex_contrib_group_norm::group_norm_forward_cuda);
-}

@@ -22,7 +22,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/macros/Macros.h>
-#include <torch/library.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,6 +35,8 @@
 #include <apex/dispatch.h>
 #include <apex/launch.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -406,6 +407,10 @@ at::Tensor accumulator(const at::Tensor& in1) {
   return at::zeros(in1.sizes(), in1.options().dtype(dtype));
 }
 
+}  // namespace
+
+namespace apex_contrib_index_mul_2d {
+
 at::Tensor index_mul_2d_cuda(const at::Tensor& in1, const at::Tensor& in2, const at::Tensor& idx1) {
   constexpr const char* kOp = "index_mul_2d";
   check_operands(kOp, in1, in2, idx1);
@@ -488,10 +493,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> index_mul_2d_backward_backward_cu
   return {grad_grad_out, grad_in1, grad_in2};
 }
 
-}  // namespace
+}  // namespace apex_contrib_index_mul_2d
 
-TORCH_LIBRARY_IMPL(apex_contrib_index_mul_2d, CUDA, m) {
-  m.impl("index_mul_2d", &index_mul_2d_cuda);
-  m.impl("index_mul_2d_backward", &index_mul_2d_backward_cuda);
-  m.impl("index_mul_2d_backward_backward", &index_mul_2d_backward_backward_cuda);
-}

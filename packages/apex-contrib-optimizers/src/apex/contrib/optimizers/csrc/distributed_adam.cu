@@ -11,7 +11,6 @@
 // for the host and can be captured in a CUDA graph.
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +23,7 @@
 #include <apex/vectorized.cuh>
 
 #include "contrib_optimizers_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -208,6 +208,10 @@ AdamArgs make_args(const at::Tensor& noop_flag, const at::Tensor& grad_scale, do
 constexpr const char* kAdam = "distributed_adam";
 constexpr const char* kRemainders = "distributed_adam_with_param_remainders";
 
+}  // namespace
+
+namespace apex_contrib_optimizers {
+
 void distributed_adam_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList params,
                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList grads,
                            at::TensorList params_out, const at::Tensor& grad_scale, double lr, double beta1,
@@ -276,9 +280,5 @@ void distributed_adam_with_param_remainders_cuda(
   });
 }
 
-}  // namespace
+}  // namespace apex_contrib_optimizers
 
-TORCH_LIBRARY_IMPL(apex_contrib_optimizers, CUDA, m) {
-  m.impl("distributed_adam", &distributed_adam_cuda);
-  m.impl("distributed_adam_with_param_remainders", &distributed_adam_with_param_remainders_cuda);
-}

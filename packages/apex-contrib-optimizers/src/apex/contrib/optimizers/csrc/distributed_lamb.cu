@@ -10,7 +10,6 @@
 // and fp32 state), the second reads u, p and writes p and its copy (14 for an fp32 p and bf16 copy).
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -25,6 +24,7 @@
 #include <apex/vectorized.cuh>
 
 #include "contrib_optimizers_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -142,6 +142,10 @@ void check_lists_numel(const char* op, at::TensorList p, std::initializer_list<c
   checks::same_layouts(op, all);
 }
 
+}  // namespace
+
+namespace apex_contrib_optimizers {
+
 void lamb_compute_update_term_cuda(const at::Tensor& noop_flag, at::TensorList g, at::TensorList p, at::TensorList m,
                                    at::TensorList v, at::TensorList u, const at::Tensor& beta1,
                                    const at::Tensor& beta2, const at::Tensor& beta3,
@@ -193,6 +197,10 @@ void lamb_compute_update_term_cuda(const at::Tensor& noop_flag, at::TensorList g
     }
   });
 }
+
+}  // namespace apex_contrib_optimizers
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------
 // lamb_update_weights
@@ -249,6 +257,10 @@ struct UpdateWeightsFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_contrib_optimizers {
+
 void lamb_update_weights_cuda(const at::Tensor& noop_flag, at::TensorList u, at::TensorList p, at::TensorList p_copy,
                               const at::Tensor& param_norm, const at::Tensor& update_norm,
                               const at::Tensor& update_norm_offset, const at::Tensor& learning_rate,
@@ -300,9 +312,5 @@ void lamb_update_weights_cuda(const at::Tensor& noop_flag, at::TensorList u, at:
   }
 }
 
-}  // namespace
+}  // namespace apex_contrib_optimizers
 
-TORCH_LIBRARY_IMPL(apex_contrib_optimizers, CUDA, m) {
-  m.impl("lamb_compute_update_term", &lamb_compute_update_term_cuda);
-  m.impl("lamb_update_weights", &lamb_update_weights_cuda);
-}

@@ -11,7 +11,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +26,7 @@
 #include <apex/vectorized.cuh>
 
 #include "contrib_optimizers_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -332,6 +332,10 @@ void dispatch_cast_type(c10::ScalarType dtype, const char* op, const char* arg, 
   }
 }
 
+}  // namespace
+
+namespace apex_contrib_optimizers {
+
 void adam_cuda(at::TensorList p, at::TensorList p_copy, at::TensorList m, at::TensorList v, at::TensorList g,
                double lr, double beta1, double beta2, double eps, double grad_scale, int64_t step, int64_t eps_mode,
                bool bias_correction, double decay, bool reversible) {
@@ -379,6 +383,10 @@ void adam_undo_cuda(const at::Tensor& overflow_flag, at::TensorList p, at::Tenso
   });
 }
 
+}  // namespace apex_contrib_optimizers
+
+namespace {
+
 // ---------------------------------------------------------------------------------------------
 // maybe_cast and strided_check_finite
 
@@ -414,6 +422,10 @@ struct CastFunctor {
   }
 };
 
+}  // namespace
+
+namespace apex_contrib_optimizers {
+
 void maybe_cast_cuda(const at::Tensor& overflow_flag, at::TensorList p_in, at::TensorList p_out) {
   const c10::Device device = checks::scalar_tensor(kMaybeCast, "overflow_flag", overflow_flag, kInt);
   checks::same_lengths(kMaybeCast, {{"p_in", p_in.size()}, {"p_out", p_out.size()}});
@@ -432,6 +444,10 @@ void maybe_cast_cuda(const at::Tensor& overflow_flag, at::TensorList p_in, at::T
   });
 }
 
+}  // namespace apex_contrib_optimizers
+
+namespace {
+
 // Elements 0, stride, 2 stride, ... of a flat tensor; sets *flag to 1 if any is not finite. One
 // thread per sampled element over a grid-stride loop; racing writes all write 1.
 template <typename T>
@@ -447,6 +463,10 @@ __global__ void check_finite_kernel(const T* data, int64_t samples, int64_t stri
   }
   if (bad) *flag = 1;
 }
+
+}  // namespace
+
+namespace apex_contrib_optimizers {
 
 void strided_check_finite_cuda(const at::Tensor& overflow_flag, const at::Tensor& p_copy, int64_t stride,
                                bool clear_overflow_first) {
@@ -470,11 +490,5 @@ void strided_check_finite_cuda(const at::Tensor& overflow_flag, const at::Tensor
   });
 }
 
-}  // namespace
+}  // namespace apex_contrib_optimizers
 
-TORCH_LIBRARY_IMPL(apex_contrib_optimizers, CUDA, m) {
-  m.impl("adam", &adam_cuda);
-  m.impl("adam_undo", &adam_undo_cuda);
-  m.impl("maybe_cast", &maybe_cast_cuda);
-  m.impl("strided_check_finite", &strided_check_finite_cuda);
-}

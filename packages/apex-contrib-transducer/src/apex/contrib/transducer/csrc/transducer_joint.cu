@@ -18,7 +18,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +28,7 @@
 #include <apex/launch.cuh>
 
 #include "transducer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -505,6 +505,10 @@ unsigned int grid_of(int64_t blocks) {
 constexpr const char* kForward = "joint_forward";
 constexpr const char* kBackward = "joint_backward";
 
+}  // namespace
+
+namespace apex_contrib_transducer {
+
 std::tuple<at::Tensor, at::Tensor> joint_forward_cuda(const at::Tensor& f, const at::Tensor& g, const at::Tensor& f_len,
                                                       const at::Tensor& g_len,
                                                       const std::optional<at::Tensor>& batch_offset,
@@ -697,9 +701,5 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
   return {f_grad, g_grad};
 }
 
-}  // namespace
+}  // namespace apex_contrib_transducer
 
-TORCH_LIBRARY_IMPL(apex_contrib_transducer, CUDA, m) {
-  m.impl("joint_forward", &joint_forward_cuda);
-  m.impl("joint_backward", &joint_backward_cuda);
-}

@@ -14,7 +14,6 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +23,7 @@
 #include <apex/launch.cuh>
 
 #include "transducer_common.cuh"
+#include "cuda_ops.h"
 
 namespace {
 
@@ -343,6 +343,10 @@ Lattice lattice_of(const at::Tensor& x, const at::Tensor& label, const at::Tenso
                  blank_idx};
 }
 
+}  // namespace
+
+namespace apex_contrib_transducer {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_forward_cuda(
     const at::Tensor& x, const at::Tensor& label, const at::Tensor& f_len, const at::Tensor& y_len,
     const std::optional<at::Tensor>& batch_offset, int64_t max_f_len, int64_t blank_idx, bool normalize) {
@@ -469,9 +473,5 @@ at::Tensor loss_backward_cuda(const at::Tensor& x, const at::Tensor& loss_grad, 
   return x_grad;
 }
 
-}  // namespace
+}  // namespace apex_contrib_transducer
 
-TORCH_LIBRARY_IMPL(apex_contrib_transducer, CUDA, m) {
-  m.impl("loss_forward", &loss_forward_cuda);
-  m.impl("loss_backward", &loss_backward_cuda);
-}

@@ -19,7 +19,6 @@
 #include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -33,6 +32,8 @@
 #include <apex/launch.cuh>
 #include <apex/reductions.cuh>
 #include <apex/vectorized.cuh>
+
+#include "cuda_ops.h"
 
 namespace {
 
@@ -316,6 +317,10 @@ unsigned int blocks_for(int64_t rows) {
   return static_cast<unsigned int>(apex::ceil_div(rows, kBlock / kGroup));
 }
 
+}  // namespace
+
+namespace apex_contrib_xentropy {
+
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits, const at::Tensor& labels, double smoothing,
                                                 std::optional<int64_t> padding_idx, bool half_to_float) {
   check_logits(kForward, logits);
@@ -348,6 +353,10 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits, const 
   return {losses, lse};
 }
 
+}  // namespace apex_contrib_xentropy
+
+namespace {
+
 void backward_into(const char* op, const at::Tensor& grad_losses, const at::Tensor& logits, const at::Tensor& lse,
                    const at::Tensor& labels, double smoothing, std::optional<int64_t> padding_idx, at::Tensor& grad) {
   const int64_t rows = logits.size(0);
@@ -371,6 +380,10 @@ void backward_into(const char* op, const at::Tensor& grad_losses, const at::Tens
   });
 }
 
+}  // namespace
+
+namespace apex_contrib_xentropy {
+
 at::Tensor backward_cuda(const at::Tensor& grad_losses, const at::Tensor& logits, const at::Tensor& lse,
                          const at::Tensor& labels, double smoothing, std::optional<int64_t> padding_idx) {
   check_backward(kBackward, grad_losses, logits, lse, labels, smoothing);
@@ -387,10 +400,5 @@ void backward_inplace_cuda(const at::Tensor& grad_losses, at::Tensor& logits, co
   backward_into(kBackwardInplace, grad_losses, logits, lse, labels, smoothing, padding_idx, logits);
 }
 
-}  // namespace
+}  // namespace apex_contrib_xentropy
 
-TORCH_LIBRARY_IMPL(apex_contrib_xentropy, CUDA, m) {
-  m.impl("softmax_cross_entropy_forward", &forward_cuda);
-  m.impl("softmax_cross_entropy_backward", &backward_cuda);
-  m.impl("softmax_cross_entropy_backward_", &backward_inplace_cuda);
-}
