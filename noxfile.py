@@ -205,6 +205,26 @@ def build(session: nox.Session) -> None:
         if not any(n.endswith("_C.build.json") for n in names):
             session.error(f"{wheel.name} carries no build-info file")
         session.log(f"{wheel.name}: compiled library and build info present")
+    # A compile check passes a .cu whose entry point no longer matches its declaration in cuda_ops.h (a new
+    # overload): the library then fails to load. Load every installed library here (no GPU needed) and
+    # count the CUDA kernels it registers.
+    session.run("python", "-c", _LOAD_LIBRARIES, *[f.name for f in kernels])
+
+
+_LOAD_LIBRARIES = """
+import glob, importlib.util, os, sys, torch
+for dist in sys.argv[1:]:
+    module = "apex." + dist.removeprefix("apex-").replace("-", "_").replace("contrib_", "contrib.", 1)
+    folder = os.path.dirname(importlib.util.find_spec(module).origin)
+    (library,) = glob.glob(os.path.join(folder, "_C*.so"))
+    torch.ops.load_library(library)
+    namespace = "apex_" + module.removeprefix("apex.").replace(".", "_") + "::"
+    ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith(namespace)]
+    cuda = [n for n in ops if torch._C._dispatch_has_kernel_for_dispatch_key(n, "CUDA")]
+    if not cuda:
+        sys.exit(f"{library}: loaded, but registers no CUDA kernel under {namespace}")
+    print(f"{dist}: {os.path.basename(library)} loads, {len(cuda)} CUDA kernels")
+"""
 
 
 def _check_wheel(session: nox.Session, wheel: Path) -> str:
