@@ -208,22 +208,25 @@ def build(session: nox.Session) -> None:
     # A compile check passes a .cu whose entry point no longer matches its declaration in cuda_ops.h (a new
     # overload): the library then fails to load. Load every installed library here (no GPU needed) and
     # count the CUDA kernels it registers.
-    session.run("python", "-c", _LOAD_LIBRARIES, *[f.name for f in kernels])
+    session.run("python", "-c", _LOAD_LIBRARIES, str(len(kernels)))
 
 
+# Each kernel library as apex-core's plugin registry and build helpers know it (its dispatcher namespace
+# and the folder of its AOT build).
 _LOAD_LIBRARIES = """
-import glob, importlib.util, os, sys, torch
-for dist in sys.argv[1:]:
-    module = "apex." + dist.removeprefix("apex-").replace("-", "_").replace("contrib_", "contrib.", 1)
-    folder = os.path.dirname(importlib.util.find_spec(module).origin)
-    (library,) = glob.glob(os.path.join(folder, "_C*.so"))
-    torch.ops.load_library(library)
-    namespace = "apex_" + module.removeprefix("apex.").replace(".", "_") + "::"
-    ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith(namespace)]
+import sys, torch
+from apex.core import build, plugins
+libraries = plugins.kernel_libraries()
+if len(libraries) != int(sys.argv[1]):
+    sys.exit(f"{len(libraries)} kernel libraries registered as plugins, {sys.argv[1]} kernel packages built")
+for record, lib in libraries:
+    (library,) = build.package_dir(lib).glob("_C*.so")
+    torch.ops.load_library(str(library))
+    ops = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith(lib.name + "::")]
     cuda = [n for n in ops if torch._C._dispatch_has_kernel_for_dispatch_key(n, "CUDA")]
     if not cuda:
-        sys.exit(f"{library}: loaded, but registers no CUDA kernel under {namespace}")
-    print(f"{dist}: {os.path.basename(library)} loads, {len(cuda)} CUDA kernels")
+        sys.exit(f"{library}: loaded, but registers no CUDA kernel under {lib.name}")
+    print(f"{record.plugin.distribution}: {library.name} loads, {len(cuda)} CUDA kernels")
 """
 
 
