@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// fused_dense.cu
 namespace apex_fused_dense {
+// fused_dense.cu
 at::Tensor linear_forward_cuda(const at::Tensor& input, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward_cuda(const at::Tensor& input,

@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// mlp.cu
 namespace apex_mlp {
+// mlp.cu
 std::vector<at::Tensor> mlp_forward_cuda(const at::Tensor& input, at::TensorList weights, at::TensorList biases,
                                          int64_t activation, bool relu_masks);
 std::vector<at::Tensor> mlp_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,

@@ -9,17 +9,15 @@
 #include <tuple>
 #include <vector>
 
-// norm_backward.cu
 namespace apex_normalization {
+// norm_backward.cu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& saved, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
     c10::SymIntArrayRef sym_shape, bool rms, bool memory_efficient, c10::ScalarType input_dtype, bool weight_grads,
     const std::optional<at::Tensor>& grad_residual_out);
-}  // namespace apex_normalization
 
 // norm_forward.cu
-namespace apex_normalization {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_forward_cuda(
     const at::Tensor& input, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     c10::SymIntArrayRef normalized_shape, double eps, bool rms, bool /*memory_efficient: autograd's*/,

@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// batch_norm_backward.cu
 namespace apex_parallel {
+// batch_norm_backward.cu
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> reduce_bn_cuda(const at::Tensor& grad_output,
                                                                           const at::Tensor& input,
                                                                           const at::Tensor& mean,
@@ -39,20 +39,16 @@ at::Tensor relu_backward_c_last_cuda(const at::Tensor& grad_output, const at::Te
                                      const std::optional<at::Tensor>& z, const at::Tensor& mean,
                                      const at::Tensor& invstd, const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias);
-}  // namespace apex_parallel
 
 // batch_norm_forward.cu
-namespace apex_parallel {
 at::Tensor batch_norm_forward_cuda(const at::Tensor& input, const at::Tensor& mean, const at::Tensor& invstd,
                                    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias);
 at::Tensor batch_norm_forward_c_last_cuda(const at::Tensor& input, const std::optional<at::Tensor>& z,
                                           const at::Tensor& mean, const at::Tensor& invstd,
                                           const std::optional<at::Tensor>& weight,
                                           const std::optional<at::Tensor>& bias, bool fuse_relu);
-}  // namespace apex_parallel
 
 // welford.cu
-namespace apex_parallel {
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_cuda(const at::Tensor& input);
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_c_last_cuda(const at::Tensor& input);
 std::tuple<at::Tensor, at::Tensor> welford_parallel_cuda(const at::Tensor& mean, const at::Tensor& var_biased,

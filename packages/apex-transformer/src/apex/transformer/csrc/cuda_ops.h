@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// rope.cu
 namespace apex_transformer {
+// rope.cu
 at::Tensor rope_cuda(const at::Tensor& input, const at::Tensor& freqs, bool transpose_output, bool backward);
 at::Tensor rope_cached_cuda(const at::Tensor& input, const at::Tensor& cos, const at::Tensor& sin,
                             bool transpose_output, bool backward);
@@ -20,22 +20,20 @@ at::Tensor rope_2d_cuda(const at::Tensor& input, const at::Tensor& cos_h, const 
                         const at::Tensor& cos_w, const at::Tensor& sin_w, bool backward);
 }  // namespace apex_transformer
 
-// softmax_backward.cu
 namespace apex_transformer::softmax {
+// softmax_backward.cu
 at::Tensor scaled_softmax_backward_cuda(const at::Tensor& grad_output, const at::Tensor& output, double scale,
                                         bool causal);
 void scaled_softmax_backward_inplace_cuda(const at::Tensor& grad_output, const at::Tensor& output, double scale,
                                           bool causal);
-}  // namespace apex_transformer::softmax
 
 // softmax_forward.cu
-namespace apex_transformer::softmax {
 at::Tensor scaled_softmax_forward_cuda(const at::Tensor& strided_input, const std::optional<at::Tensor>& mask,
                                        double scale, bool causal);
 }  // namespace apex_transformer::softmax
 
-// swiglu.cu
 namespace apex_transformer {
+// swiglu.cu
 at::Tensor swiglu_cuda(const at::Tensor& input);
 at::Tensor swiglu_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input);
 }  // namespace apex_transformer

@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// focal_loss.cu
 namespace apex_contrib_focal_loss {
+// focal_loss.cu
 std::tuple<at::Tensor, at::Tensor> focal_loss_forward_cuda(const at::Tensor& cls_output,
                                                            const at::Tensor& cls_targets_at_level,
                                                            const at::Tensor& num_positives_sum,

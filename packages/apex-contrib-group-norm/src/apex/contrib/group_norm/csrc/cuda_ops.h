@@ -9,16 +9,14 @@
 #include <tuple>
 #include <vector>
 
-// group_norm_backward.cu
 namespace apex_contrib_group_norm {
+// group_norm_backward.cu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_backward_cuda(
     const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd, int64_t num_groups,
     c10::string_view act);
-}  // namespace apex_contrib_group_norm
 
 // group_norm_forward.cu
-namespace apex_contrib_group_norm {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> group_norm_forward_cuda(const at::Tensor& x,
                                                                         const std::optional<at::Tensor>& weight,
                                                                         const std::optional<at::Tensor>& bias,

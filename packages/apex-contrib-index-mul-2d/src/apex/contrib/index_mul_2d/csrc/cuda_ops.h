@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// index_mul_2d.cu
 namespace apex_contrib_index_mul_2d {
+// index_mul_2d.cu
 at::Tensor index_mul_2d_cuda(const at::Tensor& in1, const at::Tensor& in2, const at::Tensor& idx1);
 std::tuple<at::Tensor, at::Tensor> index_mul_2d_backward_cuda(const at::Tensor& grad_out, const at::Tensor& in1,
                                                               const at::Tensor& in2, const at::Tensor& idx1);

@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// distributed_adam.cu
 namespace apex_contrib_optimizers {
+// distributed_adam.cu
 void distributed_adam_cuda(int64_t chunk_size, const at::Tensor& noop_flag, at::TensorList params,
                            at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList grads,
                            at::TensorList params_out, const at::Tensor& grad_scale, double lr, double beta1,
@@ -23,10 +23,8 @@ void distributed_adam_with_param_remainders_cuda(
     const at::Tensor& grad_scale, double lr, double beta1, double beta2, double eps, int64_t step, int64_t adam_mode,
     bool bias_correction, double weight_decay, const std::optional<at::Tensor>& lr_tensor,
     const std::optional<at::Tensor>& step_tensor);
-}  // namespace apex_contrib_optimizers
 
 // distributed_lamb.cu
-namespace apex_contrib_optimizers {
 void lamb_compute_update_term_cuda(const at::Tensor& noop_flag, at::TensorList g, at::TensorList p, at::TensorList m,
                                    at::TensorList v, at::TensorList u, const at::Tensor& beta1,
                                    const at::Tensor& beta2, const at::Tensor& beta3,
@@ -38,10 +36,8 @@ void lamb_update_weights_cuda(const at::Tensor& noop_flag, at::TensorList u, at:
                               const at::Tensor& param_norm, const at::Tensor& update_norm,
                               const at::Tensor& update_norm_offset, const at::Tensor& learning_rate,
                               const at::Tensor& decay, const at::Tensor& global_grad_norm, bool use_nvlamb);
-}  // namespace apex_contrib_optimizers
 
 // legacy_adam.cu
-namespace apex_contrib_optimizers {
 void adam_cuda(at::TensorList p, at::TensorList p_copy, at::TensorList m, at::TensorList v, at::TensorList g,
                double lr, double beta1, double beta2, double eps, double grad_scale, int64_t step, int64_t eps_mode,
                bool bias_correction, double decay, bool reversible);

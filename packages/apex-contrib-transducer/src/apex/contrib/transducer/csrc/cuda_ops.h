@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// transducer_joint.cu
 namespace apex_contrib_transducer {
+// transducer_joint.cu
 std::tuple<at::Tensor, at::Tensor> joint_forward_cuda(const at::Tensor& f, const at::Tensor& g, const at::Tensor& f_len,
                                                       const at::Tensor& g_len,
                                                       const std::optional<at::Tensor>& batch_offset,
@@ -20,10 +20,8 @@ std::tuple<at::Tensor, at::Tensor> joint_backward_cuda(const at::Tensor& grad, c
                                                        const at::Tensor& f_len, const at::Tensor& g_len,
                                                        const std::optional<at::Tensor>& batch_offset, int64_t max_f_len,
                                                        int64_t max_g_len, double scale);
-}  // namespace apex_contrib_transducer
 
 // transducer_loss.cu
-namespace apex_contrib_transducer {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> loss_forward_cuda(
     const at::Tensor& x, const at::Tensor& label, const at::Tensor& f_len, const at::Tensor& y_len,
     const std::optional<at::Tensor>& batch_offset, int64_t max_f_len, int64_t blank_idx, bool normalize);

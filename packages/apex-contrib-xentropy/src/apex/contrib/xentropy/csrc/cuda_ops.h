@@ -9,8 +9,8 @@
 #include <tuple>
 #include <vector>
 
-// xentropy.cu
 namespace apex_contrib_xentropy {
+// xentropy.cu
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits, const at::Tensor& labels, double smoothing,
                                                 std::optional<int64_t> padding_idx, bool half_to_float);
 at::Tensor backward_cuda(const at::Tensor& grad_losses, const at::Tensor& logits, const at::Tensor& lse,
